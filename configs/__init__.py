@@ -1,0 +1,1 @@
+"""Structured configs: the dataclasses here are the single source of truth for every knob."""

@@ -1,0 +1,90 @@
+"""The training run's config schema, registered in Hydra's ConfigStore.
+
+YAML files under configs/ only select presets and override fields; every key and its type is
+declared here, so an unknown key or a wrong type is rejected at start-up, naming the key.
+"""
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from configs.data_schema import DataConfig
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    depth: int = 2  # the one size dial: width = aspect_ratio * depth, rounded up to head_dim
+    aspect_ratio: int = 64
+    head_dim: int = 128
+    n_kv_heads: int | None = None  # GQA: None means as many K/V heads as query heads
+    rope_base: float = 10000.0
+    logit_softcap: float = 15.0
+    # One letter per layer, repeated over depth: L = full causal context, S = short_window tokens.
+    window_pattern: str = "L"
+    short_window: int = 256
+    loss_chunk_tokens: int = 4096  # cross-entropy is computed this many tokens at a time
+
+
+@dataclass
+class OptimConfig:
+    name: str = "muon"  # "muon" (Muon for hidden matrices + AdamW for the rest) or "adamw"
+    matrix_lr: float = 0.02  # Muon
+    muon_momentum: float = 0.95
+    embedding_lr: float = 0.2  # AdamW groups; scaled by (width / 768) ** -0.5 as in nanochat
+    unembedding_lr: float = 0.004
+    adamw_lr: float = 3e-3  # the single learning rate of the "adamw" optimiser
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.8, 0.95)
+    eps: float = 1e-10
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    warmup_steps: int = 0
+    warmdown_ratio: float = 0.2  # last share of max_steps decays linearly to final_lr_frac
+    final_lr_frac: float = 0.0
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"  # online | offline | disabled
+    project: str = "varlen-gpt"
+    entity: str | None = None
+    group: str | None = None
+    name: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    run_dir: str = "runs/default"
+    resume: str | None = None  # a checkpoint path; by default the latest one in run_dir
+    max_steps: int = 300
+    total_batch_tokens: int = 2048  # tokens per optimiser step, over all ranks and micro-steps
+    save_every: int = 100
+    keep_last: int = 2  # checkpoints kept in run_dir
+    eval_every: int = 100
+    eval_tokens: int = 32768  # validation tokens per evaluation
+    sample_every: int = 100
+    sample_prompt: str = "def "
+    sample_tokens: int = 48
+    log_every: int = 1
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = True
+    attention: str = "auto"  # auto | triton | reference | flex | torch_varlen | sdpa_packed
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=TrainConfig)
+    cs.store(group="model", name="schema", node=ModelConfig)
+    cs.store(group="data", name="schema", node=DataConfig)
+    cs.store(group="optim", name="schema", node=OptimConfig)

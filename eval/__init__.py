@@ -1,0 +1,1 @@
+"""Evaluation (validation loss, bits per byte), sampling, and the metrics a run reports."""

@@ -1,0 +1,109 @@
+"""What a run reports: FLOPs and MFU, and the metrics log (run_dir/metrics.jsonl + wandb).
+
+FLOPs of one training step, forward and backward:
+    6 * (matmul parameters) per token                      (embedding lookups excluded)
+  + 3.5 * 4 * D * H * (visible query-key pairs) per layer  (attention, in-document causal work only)
+A causal segment of L tokens has L(L+1)/2 visible pairs (fewer with a sliding window). The forward
+does two matmuls over them (QK^T and PV, 2 FLOPs per multiply-add) and the backward 2.5 times that,
+the convention of flash-attn's benchmarks. MFU divides FLOPs per second by the device's dense bf16 peak.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+# Dense bf16 peaks (no sparsity) of the GPUs we run on; MFU is left out elsewhere.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def visible_pairs(cu_seqlens: torch.Tensor, window: int) -> torch.Tensor:
+    """Number of (query, key) pairs a causal, optionally windowed, attention computes, on device."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
+    full = lengths * (lengths + 1) / 2
+    if window < 0:
+        return full.sum()
+    w = window + 1  # keys visible to a query once the window is full
+    windowed = w * (w + 1) / 2 + (lengths - w) * w
+    return torch.where(lengths <= w, full, windowed).sum()
+
+
+def attention_flops(cu_seqlens: torch.Tensor, windows: list[int], n_head: int, head_dim: int) -> torch.Tensor:
+    pairs = sum(visible_pairs(cu_seqlens, w) for w in windows)
+    return 3.5 * 4 * head_dim * n_head * pairs
+
+
+class RunLogger:
+    """Appends one JSON object per step to metrics.jsonl and mirrors it to wandb (rank 0 only).
+
+    On resume the log is first cut back to the checkpoint's step, so steps that ran after the
+    checkpoint and before the crash are neither duplicated nor missing.
+    """
+
+    def __init__(self, cfg, run_dir: Path, resume_step: int, wandb_id: str | None, enabled: bool):
+        self.enabled = enabled
+        self.wandb_run = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._truncate(resume_step)
+        self.file = open(self.path, "a")
+        if cfg.wandb.mode != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project=cfg.wandb.project,
+                entity=cfg.wandb.entity,
+                group=cfg.wandb.group,
+                name=cfg.wandb.name,
+                tags=list(cfg.wandb.tags),
+                mode=cfg.wandb.mode,
+                dir=str(run_dir),
+                id=wandb_id,
+                resume="allow",
+                config=OmegaConf.to_container(cfg, resolve=True),
+            )
+            # Steps re-run after a resume are logged again; plotting against "step" keeps them in place.
+            self.wandb_run.define_metric("step")
+            self.wandb_run.define_metric("*", step_metric="step")
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run else None
+
+    def _truncate(self, resume_step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= resume_step
+        ]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(record)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

@@ -1,0 +1,227 @@
+"""The GPT: token embedding, pre-norm blocks of RoPE attention (QK-norm, optional GQA, per-layer window)
+and a ReLU^2 MLP, an untied output head with logit soft-capping. No biases; RMSNorm has no weights.
+
+It runs on one packed buffer of T tokens (several documents one after another) described by the
+batch contract of data/: input_ids [T], position_ids [T], cu_seqlens [N + 1], max_seqlen.
+
+Init (nanochat's): embedding ~ N(0, 1); q/k/v and MLP input matrices ~ U(-a, a) with
+a = sqrt(3 / width), i.e. std 1/sqrt(width); both output projections of every block start at zero, so
+each block starts as the identity; the head ~ N(0, 0.001) so the first logits are near uniform.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from configs.schema import ConfigError
+from model.attention import Attention
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """Everything derived from the config that fixes the parameter shapes (checked on resume)."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+
+    @classmethod
+    def from_config(cls, cfg, vocab_size: int) -> "GPTShape":
+        if cfg.depth < 1:
+            raise ConfigError(f"model.depth={cfg.depth} must be at least 1")
+        if cfg.head_dim % 16 or cfg.head_dim < 16:
+            raise ConfigError(f"model.head_dim={cfg.head_dim} must be a positive multiple of 16")
+        n_embd = math.ceil(cfg.aspect_ratio * cfg.depth / cfg.head_dim) * cfg.head_dim
+        n_head = n_embd // cfg.head_dim
+        n_kv_head = cfg.n_kv_heads or n_head
+        if n_head % n_kv_head:
+            raise ConfigError(f"model.n_kv_heads={n_kv_head} must divide the number of heads ({n_head})")
+        # A multiple of 64 keeps the head's matmul on fast tensor-core shapes.
+        padded = math.ceil(vocab_size / 64) * 64
+        return cls(cfg.depth, n_embd, n_head, n_kv_head, cfg.head_dim, vocab_size, padded)
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],))
+
+
+def rotary_tables(
+    position_ids: torch.Tensor, head_dim: int, base: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, 1, head_dim / 2] for each token's position inside its segment."""
+    inv_freq = base ** (
+        -torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    )
+    angles = position_ids.float()[:, None] * inv_freq[None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, shape: GPTShape, window: int):
+        super().__init__()
+        self.shape, self.window = shape, window
+        d, hd = shape.n_embd, shape.head_dim
+        self.c_q = nn.Linear(d, shape.n_head * hd, bias=False)
+        self.c_k = nn.Linear(d, shape.n_kv_head * hd, bias=False)
+        self.c_v = nn.Linear(d, shape.n_kv_head * hd, bias=False)
+        self.c_proj = nn.Linear(shape.n_head * hd, d, bias=False)
+
+    def forward(self, x, rotary, attention: Attention, ctx: dict):
+        T, s = x.shape[0], self.shape
+        q = self.c_q(x).view(T, s.n_head, s.head_dim)
+        k = self.c_k(x).view(T, s.n_kv_head, s.head_dim)
+        v = self.c_v(x).view(T, s.n_kv_head, s.head_dim)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k = rms_norm(q), rms_norm(k)  # QK-norm keeps attention logits bounded
+        y = attention.attend(q, k, v, ctx, self.window)
+        return self.c_proj(y.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, shape: GPTShape, window: int):
+        super().__init__()
+        self.attn = CausalSelfAttention(shape, window)
+        self.mlp = MLP(shape.n_embd)
+
+    def forward(self, x, rotary, attention, ctx):
+        x = x + self.attn(rms_norm(x), rotary, attention, ctx)
+        return x + self.mlp(rms_norm(x))
+
+
+def layer_windows(pattern: str, short_window: int, n_layer: int) -> list[int]:
+    """Left attention window of each layer (-1 = full context). The last layer always sees everything."""
+    if not pattern or set(pattern) - {"S", "L"}:
+        raise ConfigError(f"model.window_pattern={pattern!r} must be a string of 'S' and 'L'")
+    windows = [short_window if pattern[i % len(pattern)] == "S" else -1 for i in range(n_layer)]
+    windows[-1] = -1
+    return windows
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg, vocab_size: int, attention: str):
+        super().__init__()
+        self.cfg = cfg
+        self.shape = s = GPTShape.from_config(cfg, vocab_size)
+        windows = layer_windows(cfg.window_pattern, cfg.short_window, s.n_layer)
+        self.attention = Attention(attention, windows)
+        self.wte = nn.Embedding(s.padded_vocab_size, s.n_embd)
+        self.blocks = nn.ModuleList(Block(s, w) for w in windows)
+        self.lm_head = nn.Linear(s.n_embd, s.padded_vocab_size, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        nn.init.normal_(self.wte.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        bound = math.sqrt(3.0 / self.shape.n_embd)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(lin.weight, -bound, bound)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+
+    def hidden_states(self, input_ids, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+        rotary = rotary_tables(position_ids, self.shape.head_dim, self.cfg.rope_base)
+        ctx = self.attention.prepare(cu_seqlens, max_seqlen, input_ids.shape[0])
+        x = rms_norm(self.wte(input_ids))
+        for block in self.blocks:
+            x = block(x, rotary, self.attention, ctx)
+        return rms_norm(x)
+
+    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen: int, targets=None):
+        """Mean cross-entropy over positions with targets >= 0; or, without targets, the logits [T, V]."""
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
+        if targets is None:
+            logits = softcap(self.lm_head(h), self.cfg.logit_softcap)
+            return logits[:, : self.shape.vocab_size]
+        return ChunkedCrossEntropy.apply(
+            h,
+            self.lm_head.weight,
+            targets,
+            self.cfg.logit_softcap,
+            self.cfg.loss_chunk_tokens,
+            self.shape.vocab_size,
+        )
+
+    @torch.no_grad()
+    def token_losses(self, input_ids, position_ids, cu_seqlens, max_seqlen: int, targets) -> torch.Tensor:
+        """Per-position loss in nats (0 where targets < 0), chunked like the training loss."""
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
+        chunk, out = self.cfg.loss_chunk_tokens, []
+        for start in range(0, h.shape[0], chunk):
+            logits = softcap(self.lm_head(h[start : start + chunk]), self.cfg.logit_softcap)
+            logits = logits[:, : self.shape.vocab_size]
+            out.append(
+                F.cross_entropy(logits, targets[start : start + chunk], ignore_index=-1, reduction="none")
+            )
+        return torch.cat(out)
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (the embedding is a lookup)."""
+        return sum(p.numel() for p in self.parameters()) - self.wte.weight.numel()
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """Soft-capped logits, in fp32 at least: the softmax of a large vocabulary needs it."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return cap * torch.tanh(logits / cap) if cap > 0 else logits
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Head matmul + soft-cap + cross-entropy, `chunk` tokens at a time.
+
+    The fp32 logits of the whole buffer ([T, V]: 8.6 GB at T=65,536, V=32,768) never exist at once: each
+    chunk's gradient with respect to h and to the head weight is computed in the forward pass, right after
+    its loss, and the backward only scales the stored gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, cap: float, chunk: int, vocab_size: int):
+        w = weight[:vocab_size].to(h.dtype)  # padded vocabulary rows can never be predicted
+        n_valid = (targets >= 0).sum().clamp_min(1)
+        loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, device=h.device, dtype=loss.dtype)
+        for start in range(0, h.shape[0], chunk):
+            hc, tc = h[start : start + chunk], targets[start : start + chunk]
+            capped = softcap(hc @ w.t(), cap)
+            loss = loss + F.cross_entropy(capped, tc, ignore_index=-1, reduction="sum")
+            # d(loss)/d(capped) = softmax - onehot on valid rows; then through the soft-cap's tanh.
+            grad = torch.softmax(capped, dim=-1)
+            rows = torch.arange(tc.shape[0], device=h.device)
+            grad[rows, tc.clamp_min(0)] -= 1.0
+            grad = grad * (tc >= 0)[:, None]
+            if cap > 0:
+                grad = grad * (1.0 - (capped / cap).square())
+            grad = (grad / n_valid).to(h.dtype)
+            grad_h[start : start + chunk] = grad @ w
+            grad_w[:vocab_size] += grad.t() @ hc
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return loss / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
