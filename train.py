@@ -14,6 +14,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import hydra
 import torch
@@ -50,6 +51,8 @@ def check_config(cfg, info: DistInfo) -> None:
             f"total_batch_tokens={cfg.total_batch_tokens} must be a positive multiple of "
             f"data.tokens_per_micro_batch * world_size = {micro}"
         )
+    if cfg.eval_tokens < micro:
+        raise ConfigError(f"eval_tokens={cfg.eval_tokens} must be at least one buffer per rank ({micro})")
     for key in ("max_steps", "save_every", "eval_every", "sample_every", "log_every"):
         if cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be at least 1")
@@ -68,6 +71,42 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # mean over micro-batches and ranks
+    grad_norm: torch.Tensor  # before clipping
+    attention_flops: torch.Tensor  # this rank's in-document attention FLOPs
+    data_wait_s: float  # host time spent waiting for batches
+
+
+def train_step(forward, model, loader, optimizers, accum: int, autocast, info: DistInfo, grad_clip: float):
+    """One optimiser step over `accum` micro-batches per rank; gradients averaged over ranks."""
+    loss_sum = torch.zeros((), device=info.device)
+    attn_flops = torch.zeros((), device=info.device, dtype=torch.float64)
+    windows = [block.attn.window for block in model.blocks]
+    data_wait = 0.0
+    for _ in range(accum):
+        t0 = time.perf_counter()
+        batch = next(loader)
+        data_wait += time.perf_counter() - t0
+        with autocast:
+            loss = forward(
+                batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen, batch.targets
+            )
+        (loss / accum).backward()
+        loss_sum += loss.detach()
+        attn_flops += attention_flops(batch.cu_seqlens, windows, model.shape.n_head, model.shape.head_dim)
+    average_gradients(model.parameters(), info)
+    params = list(model.parameters())
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return StepResult(mean_over_ranks(loss_sum, info) / accum, grad_norm, attn_flops, data_wait)
 
 
 def train(cfg, info: DistInfo) -> None:
@@ -122,7 +161,6 @@ def train(cfg, info: DistInfo) -> None:
     byte_lengths = token_bytes(data.tokenizer, data.vocab_size)
     accum = cfg.total_batch_tokens // (cfg.data.tokens_per_micro_batch * info.world_size)
     peak = peak_flops(device)
-    windows = [block.attn.window for block in model.blocks]
     flops_matmul = 6 * model.matmul_params() * cfg.total_batch_tokens
 
     def save() -> None:
@@ -156,41 +194,23 @@ def train(cfg, info: DistInfo) -> None:
         t0 = time.perf_counter()
         lr_mult = lr_multiplier(step, cfg.max_steps, cfg.optim)
         set_lr(optimizers, lr_mult)
-        loss_sum = torch.zeros((), device=device)
-        attn_flops = torch.zeros((), device=device, dtype=torch.float64)
-        for _ in range(accum):
-            batch = next(loader)
-            with autocast:
-                loss = forward(
-                    batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen, batch.targets
-                )
-            (loss / accum).backward()
-            loss_sum += loss.detach()
-            attn_flops += attention_flops(batch.cu_seqlens, windows, model.shape.n_head, model.shape.head_dim)
-        average_gradients(model.parameters(), info)
-        params = list(model.parameters())
-        if cfg.optim.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-        else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-        for opt in optimizers:
-            opt.step()
-        model.zero_grad(set_to_none=True)
+        result = train_step(forward, model, loader, optimizers, accum, autocast, info, cfg.optim.grad_clip)
         step += 1
         tokens_seen += cfg.total_batch_tokens
 
-        record = {"step": step, "loss": mean_over_ranks(loss_sum, info).item() / accum}
+        record = {"step": step, "loss": result.loss.item()}
         dt = time.perf_counter() - t0
-        step_flops = flops_matmul + attn_flops.item() * info.world_size
+        step_flops = flops_matmul + result.attention_flops.item() * info.world_size
         packing = loader.stats()
         record.update(
             {
                 "lr_mult": lr_mult,
                 "lr": optimizers[0].param_groups[0]["lr"],
-                "grad_norm": grad_norm.item(),
+                "grad_norm": result.grad_norm.item(),
                 "tokens_seen": tokens_seen,
                 "tokens_per_s": cfg.total_batch_tokens / dt,
                 "step_time_s": dt,
+                "data_wait_s": result.data_wait_s,
                 "mfu": step_flops / dt / (peak * info.world_size) if peak else None,
                 "peak_mem_gb": peak_memory_gb(device),
                 "packing_efficiency": packing["packing_efficiency"],
@@ -210,9 +230,10 @@ def train(cfg, info: DistInfo) -> None:
                 infinite=False,
             )
             with autocast:
-                record.update(evaluate(model, val, byte_lengths, cfg.eval_tokens, info))
+                record.update(evaluate(model, val, byte_lengths, cfg.eval_tokens // info.world_size, info))
             val.close()
-            bar.write(f"step {step}: val loss {record['val_loss']:.4f}, val bpb {record['val_bpb']:.4f}")
+            if info.is_main:
+                bar.write(f"step {step}: val loss {record['val_loss']:.4f}, val bpb {record['val_bpb']:.4f}")
         if info.is_main and (step % cfg.sample_every == 0 or step == cfg.max_steps):
             with autocast:
                 record["sample"] = generate(

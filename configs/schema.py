@@ -67,7 +67,7 @@ class TrainConfig:
     run_dir: str = "runs/default"
     resume: str | None = None  # a checkpoint path; by default the latest one in run_dir
     max_steps: int = 300
-    total_batch_tokens: int = 2048  # tokens per optimiser step, over all ranks and micro-steps
+    total_batch_tokens: int = 4096  # tokens per optimiser step, over all ranks and micro-steps
     save_every: int = 100
     keep_last: int = 2  # checkpoints kept in run_dir
     eval_every: int = 100

@@ -47,7 +47,7 @@ def attention_reference(
         (H, T), -math.inf, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype, device=q.device
     )
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end == start:
             continue
         qd = q[start:end].transpose(0, 1)  # [H, L, D]

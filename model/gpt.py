@@ -122,8 +122,10 @@ def layer_windows(pattern: str, short_window: int, n_layer: int) -> list[int]:
 class GPT(nn.Module):
     def __init__(self, cfg, vocab_size: int, attention: str):
         super().__init__()
-        self.cfg = cfg
         self.shape = s = GPTShape.from_config(cfg, vocab_size)
+        # Plain floats and ints, not the config object: the compiled forward reads them.
+        self.rope_base, self.logit_softcap = float(cfg.rope_base), float(cfg.logit_softcap)
+        self.loss_chunk_tokens = int(cfg.loss_chunk_tokens)
         windows = layer_windows(cfg.window_pattern, cfg.short_window, s.n_layer)
         self.attention = Attention(attention, windows)
         self.wte = nn.Embedding(s.padded_vocab_size, s.n_embd)
@@ -143,7 +145,7 @@ class GPT(nn.Module):
             nn.init.zeros_(block.mlp.c_proj.weight)
 
     def hidden_states(self, input_ids, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-        rotary = rotary_tables(position_ids, self.shape.head_dim, self.cfg.rope_base)
+        rotary = rotary_tables(position_ids, self.shape.head_dim, self.rope_base)
         ctx = self.attention.prepare(cu_seqlens, max_seqlen, input_ids.shape[0])
         x = rms_norm(self.wte(input_ids))
         for block in self.blocks:
@@ -154,14 +156,14 @@ class GPT(nn.Module):
         """Mean cross-entropy over positions with targets >= 0; or, without targets, the logits [T, V]."""
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
         if targets is None:
-            logits = softcap(self.lm_head(h), self.cfg.logit_softcap)
+            logits = softcap(self.lm_head(h), self.logit_softcap)
             return logits[:, : self.shape.vocab_size]
         return ChunkedCrossEntropy.apply(
             h,
             self.lm_head.weight,
             targets,
-            self.cfg.logit_softcap,
-            self.cfg.loss_chunk_tokens,
+            self.logit_softcap,
+            self.loss_chunk_tokens,
             self.shape.vocab_size,
         )
 
@@ -169,9 +171,9 @@ class GPT(nn.Module):
     def token_losses(self, input_ids, position_ids, cu_seqlens, max_seqlen: int, targets) -> torch.Tensor:
         """Per-position loss in nats (0 where targets < 0), chunked like the training loss."""
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
-        chunk, out = self.cfg.loss_chunk_tokens, []
+        chunk, out = self.loss_chunk_tokens, []
         for start in range(0, h.shape[0], chunk):
-            logits = softcap(self.lm_head(h[start : start + chunk]), self.cfg.logit_softcap)
+            logits = softcap(self.lm_head(h[start : start + chunk]), self.logit_softcap)
             logits = logits[:, : self.shape.vocab_size]
             out.append(
                 F.cross_entropy(logits, targets[start : start + chunk], ignore_index=-1, reduction="none")

@@ -17,7 +17,9 @@ def segments(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def tiny_model(attention="reference", dtype=torch.float64, **overrides) -> GPT:
     torch.manual_seed(0)
-    cfg = ModelConfig(**{"depth": 2, "head_dim": 16, "aspect_ratio": 32, "loss_chunk_tokens": 40, **overrides})
+    cfg = ModelConfig(
+        **{"depth": 2, "head_dim": 16, "aspect_ratio": 32, "loss_chunk_tokens": 40, **overrides}
+    )
     model = GPT(cfg, vocab_size=97, attention=attention).to(dtype)
     with torch.no_grad():  # zero-initialised projections would hide mixing between tokens
         for p in model.parameters():
@@ -74,7 +76,9 @@ def test_sdpa_packed_bleeds_across_documents_within_a_row():
     ids = torch.randint(0, 97, (64,))
     one_doc_per_row, _ = segments([32, 32])
     pos = torch.arange(64) % 32
-    torch.testing.assert_close(packed(ids, pos, one_doc_per_row, 32), reference(ids, pos, one_doc_per_row, 32))
+    torch.testing.assert_close(
+        packed(ids, pos, one_doc_per_row, 32), reference(ids, pos, one_doc_per_row, 32)
+    )
     two_docs_in_row, pos2 = segments([16, 16, 32])
     bled = packed(ids, pos2, two_docs_in_row, 32)
     clean = reference(ids, pos2, two_docs_in_row, 32)

@@ -1,0 +1,975 @@
+"""Varlen FlashAttention in Triton: forward and deterministic backward over a packed [T, H, D] buffer.
+
+The buffer holds the documents delimited by `cu_seqlens` (int32 [N + 1]) followed by a tail of tokens past
+cu_seqlens[-1] that belong to no document. Each kernel runs on a grid (tiles, heads) where a tile is one
+(segment, block) pair: a block of BLOCK rows of one document, or of the tail. `tile_table` lists them on
+the device, so the grid size depends on T and N only (never on the boundaries, and nothing waits for the
+host); the table has at most cdiv(T, BLOCK) + N real tiles, zero-length documents have none, and the
+unused entries exit at once. Documents may be split by length into classes with their own block sizes
+(block_config), one launch each.
+
+Query i of a document sees key j of the same document when i - left <= j <= i + right (window_size as in
+flash-attn; causal means right = 0; an unbounded side is passed as T). The kernels work in base 2:
+scores are scaled by softmax_scale * log2(e) so that exp2 replaces exp; the LSE is stored in natural log.
+
+Forward: one program per (query tile, head) streams the visible key blocks with an online softmax.
+Backward: one pass per query tile and head computes dQ (and delta = rowsum(dO * O) first), one pass per
+key tile and KV head computes dK and dV, looping over the query heads of its GQA group. Every gradient
+element is written by exactly one program, without atomics, so the backward is deterministic.
+
+Without CUDA, the kernels run in Triton's interpreter (slow; for tests on CPU). Triton decides at
+decoration time, and decorates its own library functions (tl.sum, tl.max...) when it is first imported,
+so TRITON_INTERPRET=1 must be set before anything imports triton (torch._dynamo does): this module sets
+it when it comes first, and otherwise set it in the environment.
+"""
+
+import os
+from typing import NamedTuple
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when @triton.jit decorates the functions below
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Whether triton.language was set up for the interpreter too (see the module docstring).
+_LIBRARY_INTERPRETED = isinstance(tl.sum, InterpretedFunction)
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+class Blocks(NamedTuple):
+    m: int  # query rows per block
+    n: int  # key rows per block
+    warps: int
+    stages: int
+
+
+# Per kernel, (longest document, blocks) classes in increasing length; None is unbounded. Each class is
+# one launch over the documents of its lengths: small blocks waste less on the masked diagonal of short
+# documents, large ones reuse more of each load on long ones.
+Config = dict[str, list[tuple[int | None, Blocks]]]
+
+
+def block_config(head_dim: int) -> Config:
+    """Block sizes of the three kernels: the one place where they are chosen (measured on an H200)."""
+    if INTERPRET:  # small, unequal blocks and two classes, so that small test buffers exercise every path
+        return {
+            "fwd": [(40, Blocks(16, 16, 4, 1)), (None, Blocks(32, 16, 4, 1))],
+            "dq": [(24, Blocks(16, 32, 4, 1)), (None, Blocks(32, 16, 4, 1))],
+            "dkdv": [(56, Blocks(16, 32, 4, 1)), (None, Blocks(32, 16, 4, 1))],
+        }
+    if head_dim <= 64:
+        return {
+            "fwd": [(None, Blocks(64, 64, 4, 3))],
+            "dq": [(None, Blocks(64, 64, 4, 3))],
+            "dkdv": [(None, Blocks(32, 128, 4, 3))],
+        }
+    if head_dim <= 128:
+        return {
+            "fwd": [(2048, Blocks(64, 32, 4, 3)), (None, Blocks(128, 128, 8, 3))],
+            "dq": [(2048, Blocks(64, 32, 4, 3)), (None, Blocks(128, 64, 8, 3))],
+            "dkdv": [(2048, Blocks(32, 64, 4, 3)), (None, Blocks(64, 128, 8, 2))],
+        }
+    return {
+        "fwd": [(None, Blocks(64, 64, 4, 2))],
+        "dq": [(None, Blocks(64, 32, 4, 2))],
+        "dkdv": [(None, Blocks(32, 64, 4, 2))],
+    }
+
+
+def _classes(entries: list[tuple[int | None, Blocks]], num_tokens: int):
+    """(shortest excluded, longest included, blocks) of each length class."""
+    shortest = 0
+    for longest, blocks in entries:
+        longest = num_tokens if longest is None else longest
+        yield shortest, longest, blocks
+        shortest = longest
+
+
+def tile_table(
+    cu_seqlens: torch.Tensor,
+    num_tokens: int,
+    block: int,
+    last_block_first: bool,
+    shortest: int = 0,
+    longest: int | None = None,
+) -> torch.Tensor:
+    """int32 [2, n]: (segment, block index) of each tile of the segments of length in (shortest, longest],
+    then (-1, *) padding.
+
+    Segment s < N is document s; segment N is the tail [cu_seqlens[N], num_tokens). A segment of length L
+    has cdiv(L, block) tiles, so the real tiles number at most n = cdiv(T, block) + N, where N may be
+    lowered to T // (shortest + 1), the most segments longer than `shortest`. Within a segment the blocks
+    run from the last to the first when last_block_first: under a causal mask the last query block does
+    the most work, and starting the largest tiles first evens out the end of the launch.
+    One small launch: a dozen torch ops would cost more than the table is worth on short batches.
+    """
+    n_docs = cu_seqlens.numel() - 1
+    n_tiles = triton.cdiv(num_tokens, block) + min(n_docs, num_tokens // (shortest + 1))
+    tiles = torch.empty((2, n_tiles), dtype=torch.int32, device=cu_seqlens.device)
+    _tile_table_kernel[(triton.cdiv(n_tiles, 64),)](
+        cu_seqlens,
+        tiles,
+        n_tiles,
+        n_docs,
+        num_tokens,
+        shortest,
+        num_tokens if longest is None else longest,
+        BLOCK=block,
+        LAST_BLOCK_FIRST=last_block_first,
+        TILES=64,
+        SEGMENTS=256,
+    )
+    return tiles
+
+
+@triton.jit
+def _tile_table_kernel(
+    cu_seqlens,
+    tiles,
+    n_tiles,
+    n_docs,
+    T,
+    shortest,
+    longest,
+    BLOCK: tl.constexpr,
+    LAST_BLOCK_FIRST: tl.constexpr,
+    TILES: tl.constexpr,
+    SEGMENTS: tl.constexpr,
+):
+    """Each program fills TILES entries, scanning the segments SEGMENTS at a time: a tile's segment is the
+    number of segments whose tiles all come before it."""
+    tile = tl.program_id(0) * TILES + tl.arange(0, TILES)
+    segment = tl.zeros([TILES], tl.int32)
+    first = tl.zeros([TILES], tl.int32)  # first tile of the tile's segment
+    end = tl.full([TILES], 2**30, tl.int32)  # one past its last tile
+    done = n_docs * 0  # tiles of the segments scanned so far
+    for s0 in range(0, n_docs + 1, SEGMENTS):
+        s = s0 + tl.arange(0, SEGMENTS)
+        start = tl.load(cu_seqlens + s, mask=s <= n_docs, other=T)
+        stop = tl.load(cu_seqlens + s + 1, mask=s < n_docs, other=T)
+        size = stop - start
+        blocks = tl.where((size > shortest) & (size <= longest), tl.cdiv(size, BLOCK), 0)
+        last = done + tl.cumsum(blocks, 0)  # one past each segment's last tile
+        before = last[None, :] <= tile[:, None]
+        segment += tl.sum(before.to(tl.int32), 1)
+        first = tl.maximum(first, tl.max(tl.where(before, last[None, :], 0), 1))
+        end = tl.minimum(end, tl.min(tl.where(before, 2**30, last[None, :]), 1))
+        done = tl.max(last, 0)
+    if LAST_BLOCK_FIRST:
+        index = end - 1 - tile
+    else:
+        index = tile - first
+    inside = tile < n_tiles
+    tl.store(tiles + tile, tl.where(segment <= n_docs, segment, -1), mask=inside)
+    tl.store(tiles + n_tiles + tile, index, mask=inside)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+@triton.jit
+def _segment(tiles, n_tiles, cu_seqlens, n_docs, T):
+    """Tile of this program: (segment, block, first token, own length, length of the other side).
+
+    For a document both lengths are L. The tail has its own rows but nothing to attend to or from."""
+    tile = tl.program_id(0)
+    segment = tl.load(tiles + tile)
+    block = tl.load(tiles + n_tiles + tile)
+    start = tl.load(cu_seqlens + segment, mask=segment >= 0, other=0)
+    end = tl.load(cu_seqlens + segment + 1, mask=(segment >= 0) & (segment < n_docs), other=T)
+    length = end - start
+    other = tl.where(segment < n_docs, length, 0)
+    return segment, block, start, length, other
+
+
+@triton.jit
+def _block_range(r0, r1, n_other, before, after, BLOCK: tl.constexpr):
+    """Blocks of the other side that rows [r0, r1) see, when row r sees [r - before, r + after].
+
+    Returns (lo, full_lo, full_hi, hi): blocks [lo, hi) hold visible entries, and blocks
+    [full_lo, full_hi) are visible to every row and inside the segment, so they need no mask."""
+    lo = tl.maximum(r0 - before, 0) // BLOCK
+    hi = tl.cdiv(tl.minimum(r1 + after, n_other), BLOCK)
+    full_lo = tl.maximum(tl.cdiv(tl.maximum(r1 - 1 - before, 0), BLOCK), lo)
+    full_hi = tl.minimum(tl.minimum(r0 + after + 1, n_other) // BLOCK, hi)
+    none_full = full_hi <= full_lo
+    full_lo = tl.where(none_full, hi, full_lo)
+    full_hi = tl.where(none_full, hi, full_hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _visible(q_pos, k_pos, q_len, k_len, left, right):
+    """Mask of query/key pairs of one segment that attend (broadcast q_pos against k_pos)."""
+    return (q_pos < q_len) & (k_pos < k_len) & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+
+
+@triton.jit
+def _load_rows(
+    base, rows, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr
+):
+    """[len(rows), BLOCK_D] tile of a row-major [*, HEAD_DIM] view; rows past n_rows and padded columns
+    read as 0. Unchecked rows take no mask at all, so the loads stay full width."""
+    cols = tl.arange(0, BLOCK_D)
+    ptrs = base + rows[:, None] * stride + cols[None, :]
+    if HEAD_DIM == BLOCK_D:
+        if CHECK_ROWS:
+            return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        return tl.load(ptrs)
+    if CHECK_ROWS:
+        return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
+    return tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+
+
+@triton.jit
+def _store_rows(base, rows, stride, n_rows, x, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    cols = tl.arange(0, BLOCK_D)
+    ptrs = base + rows[:, None] * stride + cols[None, :]
+    if HEAD_DIM == BLOCK_D:
+        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+def _fwd_blocks(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    rows,
+    q_len,
+    k_len,
+    left,
+    right,
+    qk_scale,
+    block_lo,
+    block_hi,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Online softmax over key blocks [block_lo, block_hi): m_i is the running max of the base-2 scores,
+    l_i the running sum of exp2(score - m_i), acc the running sum of exp2(score - m_i) * v."""
+    for block in range(block_lo, block_hi):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, cols, stride_kt, k_len, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_rows(v_base, cols, stride_vt, k_len, HEAD_DIM, BLOCK_D, MASKED)
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            s = tl.where(_visible(rows[:, None], cols[None, :], q_len, k_len, left, right), s, float("-inf"))
+        # Scaling after the max turns the scale and the shift into one multiply-add per score.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    tiles,
+    n_tiles,
+    cu_seqlens,
+    n_docs,
+    T,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    group,
+    left,
+    right,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    segment, block, start, q_len, k_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
+    if segment < 0:
+        return
+    head = tl.program_id(1)
+    kv_head = head // group
+    start = start.to(tl.int64)
+    q_base = Q + start * stride_qt + head * stride_qh
+    k_base = K + start * stride_kt + kv_head * stride_kh
+    v_base = V + start * stride_vt + kv_head * stride_vh
+
+    r0 = block * BLOCK_M
+    rows = r0 + tl.arange(0, BLOCK_M)
+    q = _load_rows(q_base, rows, stride_qt, q_len, HEAD_DIM, BLOCK_D, True)
+    # A finite start for the running max keeps exp2(m_i - m_new) finite for rows that have seen only masks.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Masked blocks at the window's left edge, unmasked blocks, masked blocks on the diagonal/document end.
+    lo, full_lo, full_hi, hi = _block_range(r0, tl.minimum(r0 + BLOCK_M, q_len), k_len, left, right, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        rows,
+        q_len,
+        k_len,
+        left,
+        right,
+        qk_scale,
+        lo,
+        full_lo,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+    )
+    acc, l_i, m_i = _fwd_blocks(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        rows,
+        q_len,
+        k_len,
+        left,
+        right,
+        qk_scale,
+        full_lo,
+        full_hi,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        False,
+    )
+    acc, l_i, m_i = _fwd_blocks(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        rows,
+        q_len,
+        k_len,
+        left,
+        right,
+        qk_scale,
+        full_hi,
+        hi,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+    )
+
+    # A row that saw no key (the tail) gets out = 0 and lse = -inf.
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    _store_rows(
+        Out + start * stride_ot + head * stride_oh,
+        rows,
+        stride_ot,
+        q_len,
+        out.to(Out.dtype.element_ty),
+        HEAD_DIM,
+        BLOCK_D,
+    )
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    tl.store(Lse + head * T + start + rows, lse, mask=rows < q_len)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backward
+
+
+@triton.jit
+def _dq_blocks(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    rows,
+    q_len,
+    k_len,
+    left,
+    right,
+    qk_scale,
+    block_lo,
+    block_hi,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """dQ += dS K over key blocks [block_lo, block_hi), with P = exp2(S - lse) and dS = P (dO V^T - delta)."""
+    for block in range(block_lo, block_hi):
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, cols, stride_kt, k_len, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_rows(v_base, cols, stride_vt, k_len, HEAD_DIM, BLOCK_D, MASKED)
+        s = tl.dot(q, tl.trans(k))
+        dp = tl.dot(do, tl.trans(v))  # issued before the exponentials, which it can then overlap
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if MASKED:
+            p = tl.where(_visible(rows[:, None], cols[None, :], q_len, k_len, left, right), p, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    dOut,
+    Lse,
+    dLse,
+    Delta,
+    dQ,
+    tiles,
+    n_tiles,
+    cu_seqlens,
+    n_docs,
+    T,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    group,
+    left,
+    right,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):
+    segment, block, start, q_len, k_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
+    if segment < 0:
+        return
+    head = tl.program_id(1)
+    kv_head = head // group
+    start = start.to(tl.int64)
+    k_base = K + start * stride_kt + kv_head * stride_kh
+    v_base = V + start * stride_vt + kv_head * stride_vh
+
+    r0 = block * BLOCK_M
+    rows = r0 + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q + start * stride_qt + head * stride_qh, rows, stride_qt, q_len, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(
+        dOut + start * stride_dot + head * stride_doh, rows, stride_dot, q_len, HEAD_DIM, BLOCK_D, True
+    )
+    o = _load_rows(
+        Out + start * stride_ot + head * stride_oh, rows, stride_ot, q_len, HEAD_DIM, BLOCK_D, True
+    )
+    # delta_i = sum_j P_ij dP_ij = dO_i . O_i; a gradient on lse_i adds P_ij dlse_i to dS_ij, which is the
+    # same as lowering delta_i by dlse_i. The dK/dV pass reads delta from here.
+    row_ok = rows < q_len
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dLse + head * T + start + rows, mask=row_ok, other=0.0)
+    tl.store(Delta + head * T + start + rows, delta, mask=row_ok)
+    lse = tl.load(Lse + head * T + start + rows, mask=row_ok, other=0.0) * LOG2E
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, full_lo, full_hi, hi = _block_range(r0, tl.minimum(r0 + BLOCK_M, q_len), k_len, left, right, BLOCK_N)
+    dq = _dq_blocks(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        rows,
+        q_len,
+        k_len,
+        left,
+        right,
+        qk_scale,
+        lo,
+        full_lo,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+    )
+    dq = _dq_blocks(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        rows,
+        q_len,
+        k_len,
+        left,
+        right,
+        qk_scale,
+        full_lo,
+        full_hi,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        False,
+    )
+    dq = _dq_blocks(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        rows,
+        q_len,
+        k_len,
+        left,
+        right,
+        qk_scale,
+        full_hi,
+        hi,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+    )
+    _store_rows(
+        dQ + start * stride_dqt + head * stride_dqh,
+        rows,
+        stride_dqt,
+        q_len,
+        (dq * sm_scale).to(dQ.dtype.element_ty),
+        HEAD_DIM,
+        BLOCK_D,
+    )
+
+
+@triton.jit
+def _dkdv_blocks(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    stride_qt,
+    stride_dot,
+    cols,
+    q_len,
+    k_len,
+    left,
+    right,
+    qk_scale,
+    block_lo,
+    block_hi,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """dV += P^T dO and dK += dS^T Q over query blocks [block_lo, block_hi), computed transposed
+    ([keys, queries]) so that the key rows of this program stay the row dimension."""
+    for block in range(block_lo, block_hi):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = _load_rows(q_base, rows, stride_qt, q_len, HEAD_DIM, BLOCK_D, MASKED)
+        do = _load_rows(do_base, rows, stride_dot, q_len, HEAD_DIM, BLOCK_D, MASKED)
+        if MASKED:
+            lse = tl.load(lse_base + rows, mask=rows < q_len, other=0.0) * LOG2E
+            delta = tl.load(delta_base + rows, mask=rows < q_len, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows) * LOG2E
+            delta = tl.load(delta_base + rows)
+        s_t = tl.dot(k, tl.trans(q))
+        dp_t = tl.dot(v, tl.trans(do))  # issued before the exponentials, which it can then overlap
+        p_t = tl.exp2(s_t * qk_scale - lse[None, :])
+        if MASKED:
+            p_t = tl.where(_visible(rows[None, :], cols[:, None], q_len, k_len, left, right), p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    dOut,
+    Lse,
+    Delta,
+    dK,
+    dV,
+    tiles,
+    n_tiles,
+    cu_seqlens,
+    n_docs,
+    T,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    group,
+    left,
+    right,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    segment, block, start, k_len, q_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
+    if segment < 0:
+        return
+    kv_head = tl.program_id(1)
+    start = start.to(tl.int64)
+    c0 = block * BLOCK_N
+    cols = c0 + tl.arange(0, BLOCK_N)
+    k = _load_rows(
+        K + start * stride_kt + kv_head * stride_kh, cols, stride_kt, k_len, HEAD_DIM, BLOCK_D, True
+    )
+    v = _load_rows(
+        V + start * stride_vt + kv_head * stride_vh, cols, stride_vt, k_len, HEAD_DIM, BLOCK_D, True
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    # Key j is seen by queries [j - right, j + left]: the forward's ranges with the window mirrored.
+    lo, full_lo, full_hi, hi = _block_range(c0, tl.minimum(c0 + BLOCK_N, k_len), q_len, right, left, BLOCK_M)
+    for head in range(kv_head * group, (kv_head + 1) * group):
+        q_base = Q + start * stride_qt + head * stride_qh
+        do_base = dOut + start * stride_dot + head * stride_doh
+        lse_base = Lse + head * T + start
+        delta_base = Delta + head * T + start
+        dk, dv = _dkdv_blocks(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            stride_qt,
+            stride_dot,
+            cols,
+            q_len,
+            k_len,
+            left,
+            right,
+            qk_scale,
+            lo,
+            full_lo,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            True,
+        )
+        dk, dv = _dkdv_blocks(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            stride_qt,
+            stride_dot,
+            cols,
+            q_len,
+            k_len,
+            left,
+            right,
+            qk_scale,
+            full_lo,
+            full_hi,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            False,
+        )
+        dk, dv = _dkdv_blocks(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            stride_qt,
+            stride_dot,
+            cols,
+            q_len,
+            k_len,
+            left,
+            right,
+            qk_scale,
+            full_hi,
+            hi,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            True,
+        )
+    _store_rows(
+        dK + start * stride_dkt + kv_head * stride_dkh,
+        cols,
+        stride_dkt,
+        k_len,
+        (dk * sm_scale).to(dK.dtype.element_ty),
+        HEAD_DIM,
+        BLOCK_D,
+    )
+    _store_rows(
+        dV + start * stride_dvt + kv_head * stride_dvh,
+        cols,
+        stride_dvt,
+        k_len,
+        dv.to(dV.dtype.element_ty),
+        HEAD_DIM,
+        BLOCK_D,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _window(T: int, left: int, right: int) -> tuple[int, int]:
+    """-1 (unbounded) becomes T, which no distance inside the buffer reaches."""
+    return (T if left < 0 else left), (T if right < 0 else right)
+
+
+def _padded_dim(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _check_launch(*tensors: torch.Tensor) -> None:
+    if INTERPRET and not _LIBRARY_INTERPRETED:
+        raise RuntimeError(
+            "triton was imported before kernels.flash_attn without TRITON_INTERPRET=1, so its "
+            "library cannot run in the interpreter: set TRITON_INTERPRET=1 in the environment"
+        )
+    # Offsets within a document are int32 (cheaper address arithmetic); the document start is int64.
+    if any(x.shape[0] * x.stride(0) >= 2**31 for x in tensors):
+        raise ValueError("a token offset times the token stride must stay below 2**31")
+
+
+def forward(q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_scale: float):
+    """out [T, H, D] in q's dtype and lse [H, T] float32 (natural log). The last dims must be contiguous."""
+    T, H, D = q.shape
+    _check_launch(q, k, v)
+    left, right = _window(T, window_left, window_right)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    for shortest, longest, blocks in _classes(block_config(D)["fwd"], T):
+        tiles = tile_table(cu_seqlens, T, blocks.m, True, shortest, longest)
+        _fwd_kernel[(tiles.shape[1], H)](
+            q,
+            k,
+            v,
+            out,
+            lse,
+            tiles,
+            tiles.shape[1],
+            cu_seqlens,
+            cu_seqlens.numel() - 1,
+            T,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            out.stride(0),
+            out.stride(1),
+            H // k.shape[1],
+            left,
+            right,
+            softmax_scale * LOG2E.value,
+            HEAD_DIM=D,
+            BLOCK_D=_padded_dim(D),
+            BLOCK_M=blocks.m,
+            BLOCK_N=blocks.n,
+            num_warps=blocks.warps,
+            num_stages=blocks.stages,
+        )
+    return out, lse
+
+
+def backward(
+    dout, q, k, v, out, lse, dlse, cu_seqlens, window_left: int, window_right: int, softmax_scale: float
+):
+    """(dq, dk, dv) shaped like (q, k, v). dlse, the gradient on lse, may be None."""
+    T, H, D = q.shape
+    H_kv = k.shape[1]
+    _check_launch(dout, q, k, v, out)
+    config = block_config(D)
+    left, right = _window(T, window_left, window_right)
+    n_docs = cu_seqlens.numel() - 1
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    delta = torch.empty_like(lse)
+
+    for shortest, longest, blocks in _classes(config["dq"], T):
+        tiles = tile_table(cu_seqlens, T, blocks.m, True, shortest, longest)
+        _bwd_dq_kernel[(tiles.shape[1], H)](
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+            dlse,
+            delta,
+            dq,
+            tiles,
+            tiles.shape[1],
+            cu_seqlens,
+            n_docs,
+            T,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            out.stride(0),
+            out.stride(1),
+            dout.stride(0),
+            dout.stride(1),
+            dq.stride(0),
+            dq.stride(1),
+            H // H_kv,
+            left,
+            right,
+            softmax_scale * LOG2E.value,
+            softmax_scale,
+            HEAD_DIM=D,
+            BLOCK_D=_padded_dim(D),
+            BLOCK_M=blocks.m,
+            BLOCK_N=blocks.n,
+            HAS_DLSE=dlse is not None,
+            num_warps=blocks.warps,
+            num_stages=blocks.stages,
+        )
+    # Under a causal mask the first key blocks are seen by the most queries: run them first.
+    for shortest, longest, blocks in _classes(config["dkdv"], T):
+        tiles = tile_table(cu_seqlens, T, blocks.n, False, shortest, longest)
+        _bwd_dkdv_kernel[(tiles.shape[1], H_kv)](
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dk,
+            dv,
+            tiles,
+            tiles.shape[1],
+            cu_seqlens,
+            n_docs,
+            T,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            dout.stride(0),
+            dout.stride(1),
+            dk.stride(0),
+            dk.stride(1),
+            dv.stride(0),
+            dv.stride(1),
+            H // H_kv,
+            left,
+            right,
+            softmax_scale * LOG2E.value,
+            softmax_scale,
+            HEAD_DIM=D,
+            BLOCK_D=_padded_dim(D),
+            BLOCK_M=blocks.m,
+            BLOCK_N=blocks.n,
+            num_warps=blocks.warps,
+            num_stages=blocks.stages,
+        )
+    return dq, dk, dv

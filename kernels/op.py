@@ -1,0 +1,123 @@
+"""`flash_attn_varlen`: the Triton kernels as PyTorch custom operators with autograd.
+
+The forward op returns (out, lse) and the backward op (dq, dk, dv). Both have fake implementations, so
+torch.compile traces through them without a graph break. Nothing in them reads device values on the host
+and no shape depends on document boundaries, so a compiled model does not recompile when the boundaries
+change between batches (with cu_seqlens of a fixed length: pad it with zero-length documents).
+"""
+
+import math
+
+import torch
+
+from kernels import flash_attn
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # The kernels take any token and head strides (such as views into a fused QKV projection).
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@torch.library.custom_op("varlen_gpt::flash_attn_varlen_fwd", mutates_args=())
+def flash_attn_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    window_left: int,
+    window_right: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = map(_last_dim_contiguous, (q, k, v))
+    return flash_attn.forward(q, k, v, cu_seqlens, window_left, window_right, softmax_scale)
+
+
+@flash_attn_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens, window_left, window_right, softmax_scale):
+    T, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("varlen_gpt::flash_attn_varlen_bwd", mutates_args=())
+def flash_attn_varlen_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    window_left: int,
+    window_right: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout, q, k, v = map(_last_dim_contiguous, (dout, q, k, v))
+    dlse = None if dlse is None else dlse.contiguous()
+    return flash_attn.backward(
+        dout, q, k, v, out, lse, dlse, cu_seqlens, window_left, window_right, softmax_scale
+    )
+
+
+@flash_attn_varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens, window_left, window_right, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, window_left, window_right, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.args = (window_left, window_right, softmax_scale)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+flash_attn_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention within each document of a packed buffer, as flash-attn's varlen function.
+
+    q: [T, H, D]; k, v: [T, H_kv, D] with H divisible by H_kv; float16, bfloat16 or float32; D <= 256.
+    cu_seqlens: int32 [N + 1] document boundaries, trailing zero-length documents allowed; tokens past
+    cu_seqlens[-1] get 0. window_size=(left, right): query i sees keys i - left .. i + right of its
+    document, -1 meaning unbounded; causal sets right = 0. softmax_scale defaults to 1 / sqrt(D).
+    max_seqlen is accepted for compatibility with flash-attn and not used: the work is scheduled from
+    cu_seqlens on the device, so nothing depends on it.
+    """
+    T, H, D = q.shape
+    if k.shape != v.shape or k.shape[0] != T or k.shape[2] != D or H % k.shape[1]:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q [T, H, D] "
+            "and k, v [T, H_kv, D] with H divisible by H_kv"
+        )
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"q, k, v must share a dtype among float16, bfloat16, float32; got {q.dtype}, "
+            f"{k.dtype}, {v.dtype}"
+        )
+    if D > 256:
+        raise ValueError(f"head dim {D} > 256 is not supported")
+    left, right = window_size
+    if causal:
+        right = 0
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    if scale <= 0:  # the kernels take the row max of unscaled scores
+        raise ValueError(f"softmax_scale must be positive, got {scale}")
+    out, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens.to(torch.int32), left, right, scale)
+    return out

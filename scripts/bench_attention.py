@@ -1,0 +1,342 @@
+"""Benchmark varlen attention on a packed buffer: our Triton kernel beside FlexAttention with a document mask,
+torch.nn.attention.varlen.varlen_attn, and SDPA (flash and cuDNN backends) on a zero-padded batch.
+
+    python scripts/bench_attention.py          # table on stdout and in benchmarks/attention_<gpu>.json/.md
+    python scripts/bench_attention.py --tune   # our kernels only, under each candidate block config
+    python scripts/bench_attention.py --profile  # CUDA time of each of our kernels
+
+TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forward (half of the full
+4 L^2 D H), 2.5 times that for the backward and 3.5 times for forward + backward. Times are medians of
+triton.testing.do_bench; backward alone is torch.autograd.grad over a retained graph. Our times include
+building the tile tables on every call; FlexAttention's block mask and SDPA's padded copies are built
+once outside the timed region (a model builds the mask once per batch for all its layers).
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# name -> (lognormal mean before clipping, longest length); sigma = 1, and the last document
+# is cut so that the documents fill the buffer exactly.
+MIXES = {
+    "a_nanochat": (1600, 2048),  # 64 documents, mean 1024
+    "b_short": (310, 2048),  # 222 documents, mean 295
+    "c_long": (10000, 16384),  # 10 documents, mean 6554, longest 16384
+}
+
+
+def document_lengths(mix: str, total: int = 65536, seed: int = 0) -> list[int]:
+    mean, longest = MIXES[mix]
+    gen = torch.Generator().manual_seed(seed)
+    sigma = 1.0
+    mu = math.log(mean) - sigma**2 / 2
+    lengths = []
+    while sum(lengths) < total:
+        n = int(torch.empty(1).log_normal_(mu, sigma, generator=gen).item())
+        lengths.append(min(max(n, 1), longest, total - sum(lengths)))
+    return lengths
+
+
+def causal_flops(lengths: list[int], heads: int, head_dim: int) -> float:
+    return sum(2.0 * n * n * head_dim * heads for n in lengths)
+
+
+WORK = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # in units of the forward's causal_flops
+
+
+def make_batch(lengths, heads, head_dim, device="cuda", dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return q, k, v, cu
+
+
+# Each method maps (q, k, v, cu_seqlens, lengths) to (forward function of q, k, v, the tensors it takes).
+
+
+def ours(q, k, v, cu, lengths):
+    from kernels import flash_attn_varlen
+
+    def fwd(q, k, v):
+        return flash_attn_varlen(q, k, v, cu, max(lengths), causal=True)
+
+    return fwd, (q, k, v)
+
+
+def flex(q, k, v, cu, lengths):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    T = q.shape[0]
+    doc = torch.searchsorted(cu[1:].contiguous(), torch.arange(T, device=q.device), right=True)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    mask = create_block_mask(document_causal, None, None, T, T, device=q.device)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def fwd(q, k, v):
+        return compiled(q, k, v, block_mask=mask)
+
+    return fwd, tuple(x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
+
+
+def varlen_attn(q, k, v, cu, lengths):
+    from torch.nn.attention.varlen import varlen_attn as attn
+
+    def fwd(q, k, v):
+        return attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=(-1, 0))
+
+    return fwd, (q, k, v)
+
+
+def _sdpa(backend):
+    def method(q, k, v, cu, lengths):
+        from torch.nn.attention import sdpa_kernel
+
+        longest = max(lengths)
+        starts = cu[:-1].tolist()
+
+        def pad(x):  # [T, H, D] -> [N, H, longest, D], zeros after each document
+            out = x.new_zeros(len(lengths), x.shape[1], longest, x.shape[2])
+            for i, (s, n) in enumerate(zip(starts, lengths, strict=True)):
+                out[i, :, :n] = x[s : s + n].transpose(0, 1)
+            return out
+
+        def fwd(q, k, v):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return fwd, tuple(pad(x) for x in (q, k, v))
+
+    return method
+
+
+METHODS = {"ours": ours, "flex": flex, "varlen_attn": varlen_attn}
+
+
+def time_method(method, q, k, v, cu, lengths, parts=("fwd", "bwd", "fwd_bwd"), rep_ms=200) -> dict:
+    """Median milliseconds of the forward, the backward and both, for the parts asked for."""
+    from triton.testing import do_bench
+
+    fwd, inputs = method(q, k, v, cu, lengths)
+    times = {}
+    if "fwd" in parts:
+        with torch.no_grad():
+            times["fwd"] = do_bench(lambda: fwd(*inputs), warmup=50, rep=rep_ms, return_mode="median")
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    out = fwd(*inputs)
+    dout = torch.randn_like(out)
+    if "bwd" in parts:
+        times["bwd"] = do_bench(
+            lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True),
+            warmup=50,
+            rep=rep_ms,
+            return_mode="median",
+        )
+    if "fwd_bwd" in parts:
+        times["fwd_bwd"] = do_bench(
+            lambda: torch.autograd.grad(fwd(*inputs), inputs, dout),
+            warmup=50,
+            rep=rep_ms,
+            return_mode="median",
+        )
+    return times
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def benchmark(head_dims, mixes, heads, tokens) -> list[dict]:
+    from torch.nn.attention import SDPBackend
+
+    methods = dict(
+        METHODS, sdpa_flash=_sdpa(SDPBackend.FLASH_ATTENTION), sdpa_cudnn=_sdpa(SDPBackend.CUDNN_ATTENTION)
+    )
+    rows = []
+    for head_dim in head_dims:
+        for mix in mixes:
+            lengths = document_lengths(mix, tokens)
+            q, k, v, cu = make_batch(lengths, heads, head_dim)
+            flops = causal_flops(lengths, heads, head_dim)
+            for name, method in methods.items():
+                row = {
+                    "mix": mix,
+                    "head_dim": head_dim,
+                    "method": name,
+                    "docs": len(lengths),
+                    "longest": max(lengths),
+                }
+                try:
+                    times = time_method(method, q, k, v, cu, lengths)
+                except Exception as e:  # a baseline that does not run here is reported, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                else:
+                    for part, t in times.items():
+                        row[f"{part}_ms"] = round(t, 4)
+                        row[f"{part}_tflops"] = round(WORK[part] * flops / t / 1e9, 1)
+                print(format_row(row), flush=True)
+                rows.append(row)
+                torch.cuda.empty_cache()
+    return rows
+
+
+def tune(head_dims, mixes, heads, tokens) -> list[dict]:
+    """Time our forward or backward under candidate block configs, one kernel varied at a time. The mix
+    of long documents varies the last length class of block_config, the others the first."""
+    from kernels import flash_attn
+    from kernels.flash_attn import Blocks
+
+    default_config = flash_attn.block_config
+    candidates = {
+        "fwd": [
+            Blocks(64, 32, 4, 3),
+            Blocks(128, 32, 4, 3),
+            Blocks(64, 32, 4, 2),
+            Blocks(64, 32, 8, 3),
+            Blocks(64, 16, 4, 3),
+            Blocks(128, 32, 8, 3),
+            Blocks(128, 128, 8, 3),
+            Blocks(128, 64, 8, 3),
+        ],
+        "dq": [
+            Blocks(64, 32, 4, 3),
+            Blocks(64, 32, 4, 2),
+            Blocks(128, 32, 8, 3),
+            Blocks(64, 16, 4, 3),
+            Blocks(128, 64, 8, 3),
+            Blocks(128, 64, 8, 2),
+            Blocks(64, 64, 4, 3),
+        ],
+        "dkdv": [
+            Blocks(32, 64, 4, 3),
+            Blocks(32, 64, 4, 2),
+            Blocks(32, 64, 4, 4),
+            Blocks(16, 64, 4, 3),
+            Blocks(32, 32, 4, 3),
+            Blocks(64, 128, 8, 2),
+            Blocks(32, 64, 8, 3),
+        ],
+    }
+    rows = []
+
+    def run(row, part, q, k, v, cu, lengths, flops):
+        try:
+            t = time_method(ours, q, k, v, cu, lengths, parts=(part,), rep_ms=100)[part]
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        else:
+            row["ms"] = round(t, 4)
+            row["tflops"] = round(WORK[part] * flops / t / 1e9, 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    for head_dim in head_dims:
+        for mix in mixes:
+            lengths = document_lengths(mix, tokens)
+            batch = make_batch(lengths, heads, head_dim)
+            flops = causal_flops(lengths, heads, head_dim)
+            which = -1 if mix == "c_long" else 0
+            for kernel, configs in candidates.items():
+                for blocks in configs:
+                    entries = list(default_config(head_dim)[kernel])
+                    entries[which] = (entries[which][0], blocks)
+                    flash_attn.block_config = lambda d, kernel=kernel, entries=entries: {
+                        **default_config(d),
+                        kernel: entries,
+                    }
+                    row = {"mix": mix, "head_dim": head_dim, "kernel": kernel, "blocks": list(blocks)}
+                    run(row, "fwd" if kernel == "fwd" else "bwd", *batch, lengths, flops)
+                    flash_attn.block_config = default_config
+    return rows
+
+
+def profile(head_dims, mixes, heads, tokens) -> None:
+    """CUDA time of each kernel in our forward + backward (torch.profiler), to see where the time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for head_dim in head_dims:
+        for mix in mixes:
+            lengths = document_lengths(mix, tokens)
+            fwd, inputs = ours(*make_batch(lengths, heads, head_dim), lengths)
+            inputs = [x.requires_grad_() for x in inputs]
+            dout = torch.randn_like(inputs[0])
+            for _ in range(3):
+                torch.autograd.grad(fwd(*inputs), inputs, dout)
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    torch.autograd.grad(fwd(*inputs), inputs, dout)
+                torch.cuda.synchronize()
+            print(f"{mix}, D={head_dim}, 10 steps")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10))
+
+
+def format_row(row: dict) -> str:
+    head = f"| {row['mix']:<10} | {row['head_dim']:>3} | {row['method']:<11} |"
+    if "error" in row:
+        return f"{head} {row['error'][:80]} |"
+    cells = (f" {row[f'{k}_ms']:8.3f} | {row[f'{k}_tflops']:6.1f} |" for k in ("fwd", "bwd", "fwd_bwd"))
+    return head + "".join(cells)
+
+
+TABLE_HEAD = (
+    "| mix        |   D | method      |   fwd ms | TFLOPS |   bwd ms | TFLOPS |   f+b ms | TFLOPS |"
+    "\n|---|---|---|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--tune", action="store_true", help="sweep our block configs instead")
+    parser.add_argument("--profile", action="store_true", help="time each of our kernels instead")
+    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/attention_<gpu>[_tune].json)")
+    args = parser.parse_args()
+
+    env = environment()
+    print(json.dumps(env))
+    if args.profile:
+        return profile(args.head_dims, args.mixes, args.heads, args.tokens)
+    gpu = env["device"].split()[-1].lower()
+    out = args.out or Path(__file__).resolve().parents[1] / "benchmarks" / f"attention_{gpu}.json"
+    if args.tune and not args.out:
+        out = out.with_stem(out.stem + "_tune")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.tune:
+        rows = tune(args.head_dims, args.mixes, args.heads, args.tokens)
+    else:
+        print(TABLE_HEAD)
+        rows = benchmark(args.head_dims, args.mixes, args.heads, args.tokens)
+        table = "\n".join([TABLE_HEAD, *map(format_row, rows)])
+        print("\n" + table)
+        out.with_suffix(".md").write_text(
+            f"# Varlen attention, {args.tokens} tokens, {args.heads} heads, bf16, causal\n\n"
+            f"{env['device']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. "
+            "TFLOP/s count in-document causal work only.\n\n" + table + "\n"
+        )
+    out.write_text(json.dumps({**env, "tokens": args.tokens, "heads": args.heads, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

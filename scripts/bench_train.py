@@ -1,0 +1,160 @@
+"""Training-speed benchmark: timed optimiser steps per model size and attention backend, in one process.
+
+    python scripts/bench_train.py data.source='corpus/*.parquet' data.vocab_size=32768 \
+        data.tokens_per_micro_batch=65536 data.max_seqlen=2048 data.max_num_docs=256 \
+        total_batch_tokens=524288 +models=[d12,d20] +backends=[triton,flex,torch_varlen,sdpa_packed] \
+        +warmup=3 +steps=10 +out=benchmarks/train.json
+
+Takes the same overrides as train.py (the data pipeline and loader are the real ones). For each model
+and backend it reports tokens/s; MFU by nanochat's formula (6 x matmul params + 12 * layers * heads *
+head_dim * max_seqlen FLOPs per token, i.e. full attention over every row, whether computed or not) and
+with only the in-document attention work counted; peak memory; compile time (the first step's time
+beyond a steady step); recompiles after the first step; and the share of step time spent waiting for data.
+"""
+
+import gc
+import json
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import hydra
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configs.schema import register_configs  # noqa: E402
+from data import PackedLoader, prepare  # noqa: E402
+from eval.metrics import peak_flops  # noqa: E402
+from model.dist import init_distributed  # noqa: E402
+from model.gpt import GPT  # noqa: E402
+from model.optim import build_optimizers  # noqa: E402
+from train import check_config, train_step  # noqa: E402
+
+register_configs()
+
+# H100 and H200 dense bf16: the denominator nanochat uses, so MFUs compare across projects.
+NANOCHAT_PEAK = 989e12
+
+
+def bench_one(cfg, data, info, depth: int, backend: str, warmup: int, steps: int) -> dict:
+    device = info.device
+    cfg.model.depth = depth
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model, data.vocab_size, backend).to(device)
+    optimizers = build_optimizers(model, cfg.optim)
+    forward = torch.compile(model, fullgraph=True, dynamic=False) if cfg.compile else model
+    loader = PackedLoader(data, cfg.data, split="train", rank=0, world_size=1, seed=cfg.seed, device=device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    accum = cfg.total_batch_tokens // cfg.data.tokens_per_micro_batch
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+
+    def timed_step():
+        t0 = time.perf_counter()
+        result = train_step(forward, model, loader, optimizers, accum, autocast, info, cfg.optim.grad_clip)
+        loss = result.loss.item()  # waits for the GPU
+        return time.perf_counter() - t0, result, loss
+
+    first_time, _, _ = timed_step()
+    graphs_after_first = counters["stats"]["unique_graphs"]
+    for _ in range(warmup - 1):
+        timed_step()
+    times, waits, attn_flops, losses = [], [], [], []
+    for _ in range(steps):
+        dt, result, loss = timed_step()
+        times.append(dt)
+        waits.append(result.data_wait_s)
+        attn_flops.append(result.attention_flops.item())
+        losses.append(loss)
+    loader.close()
+    step_time = sorted(times)[len(times) // 2]
+    s = model.shape
+    tokens = cfg.total_batch_tokens
+    nanochat_flops = (
+        6 * model.matmul_params() + 12 * s.n_layer * s.n_head * s.head_dim * cfg.data.max_seqlen
+    ) * tokens
+    in_doc_flops = 6 * model.matmul_params() * tokens + sum(attn_flops) / len(attn_flops)
+    peak = peak_flops(device) or NANOCHAT_PEAK
+    row = {
+        "model": f"d{depth}",
+        "attention": backend,
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "tokens_per_s": tokens / step_time,
+        "step_time_s": step_time,
+        "mfu_nanochat": nanochat_flops / step_time / NANOCHAT_PEAK,
+        "mfu_in_document": in_doc_flops / step_time / peak,
+        "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        "compile_s": max(first_time - step_time, 0.0),
+        "recompiles": counters["stats"]["unique_graphs"] - graphs_after_first,
+        "data_share": sum(waits) / sum(times),
+        "final_loss": losses[-1],
+    }
+    return row
+
+
+def release_memory() -> None:
+    """Drop the last configuration's compiled graphs and cached GPU blocks before the next one."""
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg) -> None:
+    info = init_distributed(cfg.device)
+    check_config(cfg, info)
+    models = list(cfg.get("models", ["d12", "d20"]))
+    backends = list(cfg.get("backends", ["triton", "flex", "torch_varlen", "sdpa_packed"]))
+    warmup, steps = int(cfg.get("warmup", 3)), int(cfg.get("steps", 10))
+    data = prepare(cfg.data, build=True)
+    rows = []
+    for name in models:
+        for backend in backends:
+            try:
+                row = bench_one(cfg, data, info, int(str(name).lstrip("d")), backend, warmup, steps)
+            except torch.OutOfMemoryError:
+                row = {"model": name, "attention": backend, "error": "out of memory"}
+            release_memory()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    env = {
+        "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "tokens_per_micro_batch": cfg.data.tokens_per_micro_batch,
+        "total_batch_tokens": cfg.total_batch_tokens,
+        "max_seqlen": cfg.data.max_seqlen,
+        "vocab_size": data.vocab_size,
+        "source": cfg.data.source,
+        "warmup": warmup,
+        "steps": steps,
+    }
+    print(f"\n{env}")
+    print(
+        f"{'model':<6} {'attention':<13} {'tok/s':>10} {'MFU nc':>7} {'MFU doc':>8} {'mem GB':>7} "
+        f"{'compile s':>9} {'recomp':>6} {'data %':>7}"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:<6} {r['attention']:<13} {r['error']}")
+            continue
+        mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
+        print(
+            f"{r['model']:<6} {r['attention']:<13} {r['tokens_per_s']:>10,.0f} {r['mfu_nanochat']:>7.1%} "
+            f"{r['mfu_in_document']:>8.1%} {mem:>7} {r['compile_s']:>9.1f} {r['recompiles']:>6} "
+            f"{r['data_share']:>7.2%}"
+        )
+    if cfg.get("out"):
+        out = Path(cfg.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The data scripts as a user runs them (subprocesses, Hydra overrides), on a tiny jsonl source."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data_overrides(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scripts")
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(150):
+            words = " ".join(f"w{(i * 7 + j) % 97}" for j in range([3, 30, 200][i % 3]))
+            f.write(json.dumps({"text": f"document {i}: {words}"}) + "\n")
+    return [
+        f"data.source={root / 'docs.jsonl'}",
+        f"data.cache_dir={root / 'cache'}",
+        "data.vocab_size=300",
+        "data.tokens_per_micro_batch=256",
+        "data.max_seqlen=128",
+        "data.max_num_docs=16",
+    ]
+
+
+def run(script: str, *args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, f"scripts/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_prepare_data_builds_once(data_overrides):
+    first = run("prepare_data.py", *data_overrides)
+    assert first.returncode == 0, first.stderr
+    assert "prepared" in first.stdout and "tokenizing" in first.stderr  # the progress bar
+    again = run("prepare_data.py", *data_overrides)
+    assert again.returncode == 0 and "up to date" in again.stdout
+    assert again.stdout.strip().splitlines()[-1] == first.stdout.strip().splitlines()[-1]  # the folder
+
+
+def test_inspect_data_writes_batches(data_overrides, tmp_path):
+    out = tmp_path / "b.npz"
+    proc = run("inspect_data.py", *data_overrides, "+batches=3", f"+out={out}")
+    assert proc.returncode == 0, proc.stderr
+    arrays = np.load(out)
+    assert arrays["input_ids"].shape == arrays["targets"].shape == arrays["position_ids"].shape == (3, 256)
+    assert arrays["cu_seqlens"].shape == (3, 17) and arrays["cu_seqlens"].dtype == np.int32
+    assert int(arrays["max_seqlen"]) == 128 and arrays["input_ids"][0, 0] == int(arrays["bos_id"])
+    assert "batch 2:" in proc.stdout
+
+
+def test_doc_stats_recommends_max_num_docs(data_overrides):
+    proc = run("doc_stats.py", *data_overrides)
+    assert proc.returncode == 0, proc.stderr
+    assert "segments per buffer" in proc.stdout and "recommended: data.max_num_docs=" in proc.stdout
+
+
+def test_bench_data_reports_throughput(data_overrides):
+    proc = run("bench_data.py", *data_overrides, "+seconds=0.2", "+world_size=2")
+    assert proc.returncode == 0, proc.stderr
+    assert "tokenization" in proc.stdout and "PackedLoader, rank 0 of 2" in proc.stdout
+
+
+def test_bad_input_exits_with_a_clear_error(data_overrides):
+    proc = run("prepare_data.py", *data_overrides, "data.max_num_docs=1")
+    assert proc.returncode != 0 and "data.max_num_docs=1 must be at least 2" in proc.stderr
+    hub = run(
+        "prepare_data.py", *data_overrides, "data.source=nobody/no-such-dataset", env={"HF_HUB_OFFLINE": "1"}
+    )
+    assert hub.returncode != 0 and "loading it as a Hub dataset failed" in hub.stderr

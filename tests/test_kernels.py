@@ -1,0 +1,215 @@
+"""Varlen FlashAttention kernels on CPU, in Triton's interpreter, against a float64 reference.
+
+kernels.flash_attn switches the interpreter on when there is no CUDA; on a GPU machine these tests are
+skipped (tests/test_kernels_gpu.py covers the compiled kernels) unless TRITON_INTERPRET=1 is set.
+The interpreter's bf16 tl.dot is broken, so inputs here are float16 and float32. The interpreter uses
+small, unequal blocks (block_config), so these buffers of a few hundred tokens cross many block edges.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels import attention_masked, attention_reference, flash_attn, flash_attn_varlen
+from kernels.op import flash_attn_varlen_fwd
+
+pytestmark = pytest.mark.skipif(not flash_attn.INTERPRET, reason="GPU build: see test_kernels_gpu.py")
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}  # relative L2 error against float64
+
+
+def cu_from(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def random_lengths(total: int, mean: float, seed: int) -> list[int]:
+    """Lognormal document lengths filling part of `total` tokens, with a few zero-length documents."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, used = [], 0
+    while True:
+        n = max(1, int(torch.empty(1).log_normal_(math.log(mean), 1.0, generator=gen).item()))
+        if used + n > total:
+            break
+        lengths.append(n)
+        used += n
+        if torch.rand(1, generator=gen).item() < 0.2:
+            lengths.append(0)
+    return lengths
+
+
+# Document mixes for T = 192 tokens. Interpreter blocks are 16 and 32 rows: lengths below are multiples of
+# both, of one, of neither, length 1, zero-length documents in the middle and at the end, and tails of
+# tokens past cu_seqlens[-1].
+T = 192
+MIXES = {
+    "edges": [0, 1, 17, 32, 0, 48, 63, 0, 0],  # 161 tokens, then a tail of 31
+    "one_doc_fills": [T],
+    "one_doc_tail": [150, 0, 0],
+    "random": random_lengths(T, 18.0, seed=1),  # [34, 0, 23, 31, 56, 3, 26, 5]
+    "blocks_exact": [16, 32, 64, 80],
+}
+WINDOWS = {"causal": (-1, 0), "sliding": (24, 0), "full": (-1, -1), "two_sided": (9, 5)}
+
+# (mix, window, head dim, heads, kv heads, dtype): every mix with every window, rotating the rest.
+CASES = []
+for i, mix in enumerate(MIXES):
+    for j, window in enumerate(WINDOWS):
+        d = (64, 128)[(i + j) % 2]
+        heads = ((4, 4), (4, 2), (4, 1))[(i + 2 * j) % 3]
+        dtype = (torch.float16, torch.float32)[(i * 3 + j) % 2]
+        CASES.append((mix, window, d, *heads, dtype))
+CASES += [
+    ("edges", "causal", 80, 2, 1, torch.float16),
+    ("random", "sliding", 256, 2, 2, torch.float32),
+    ("edges", "causal", 16, 3, 3, torch.float32),
+]
+
+
+def make_inputs(lengths, d, heads, kv_heads, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(T, h, d, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    return q, k, v, cu_from(lengths)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def run_kernel(q, k, v, cu, window, scale, dout, dlse=None):
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = flash_attn_varlen_fwd(q, k, v, cu, *window, scale)
+    loss = (out.float() * dout).sum() + (0 if dlse is None else (lse * dlse).sum())
+    loss.backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def run_reference(q, k, v, cu, window, scale, dout, dlse=None):
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    out, lse = attention_reference(q, k, v, cu, causal=False, window_size=window, softmax_scale=scale)
+    loss = (out * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(lse.isfinite(), lse, 0.0) * dlse.double()).sum()
+    loss.backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def test_tile_table_lists_each_block_once():
+    # The last case has more segments than the table kernel scans at once.
+    cases = [*((x, T) for x in MIXES.values()), ([0] * 5, T), ([1] * T, T), ([1] * 300 + [0] * 9, 420)]
+    for lengths, n in cases:
+        cu = cu_from(lengths)
+        sizes = [*lengths, n - sum(lengths)]  # the tail is the last segment
+        tables = [
+            (16, True, 0, None),
+            (32, False, 0, None),
+            (128, True, 0, None),
+            (16, False, 0, 31),
+            (32, True, 31, 63),
+            (16, True, 40, None),
+        ]
+        for block, last_first, shortest, longest in tables:
+            table = flash_attn.tile_table(cu, n, block, last_first, shortest, longest)
+            bound = math.ceil(n / block) + min(len(lengths), n // (shortest + 1))
+            assert table.shape == (2, bound) and table.dtype == torch.int32
+            expected = sorted(
+                (s, b)
+                for s, size in enumerate(sizes)
+                if shortest < size <= (longest or n)
+                for b in range(math.ceil(size / block))
+            )
+            real = table[0] >= 0
+            assert sorted(zip(table[0, real].tolist(), table[1, real].tolist(), strict=True)) == expected
+            assert not real[real.sum() :].any()  # real tiles first, padding after
+            segment, index = table[:, real]
+            same = segment[1:] == segment[:-1]
+            assert ((index[1:] - index[:-1])[same] == (-1 if last_first else 1)).all()
+
+
+@pytest.mark.parametrize(
+    "mix,window,d,heads,kv_heads,dtype",
+    CASES,
+    ids=[f"{m}-{w}-d{d}-h{h}kv{kv}-{str(t)[6:]}" for m, w, d, h, kv, t in CASES],
+)
+def test_matches_reference(mix, window, d, heads, kv_heads, dtype):
+    lengths = MIXES[mix]
+    q, k, v, cu = make_inputs(lengths, d, heads, kv_heads, dtype)
+    scale = 0.5 / math.sqrt(d) if mix == "random" else 1.0 / math.sqrt(d)
+    dout = torch.randn(T, heads, d)
+    got = run_kernel(q, k, v, cu, WINDOWS[window], scale, dout)
+    want = run_reference(q, k, v, cu, WINDOWS[window], scale, dout)
+    for name, x, ref in zip(["out", "dq", "dk", "dv"], got[:1] + got[2:], want[:1] + want[2:], strict=True):
+        assert torch.isfinite(x).all(), name
+        assert rel_err(x, ref) < TOL[dtype], (name, rel_err(x, ref))
+    lse, ref_lse = got[1], want[1]
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    finite = ref_lse.isfinite()
+    assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-4
+    # Tokens past the last document attend to nothing: zero output and zero gradients, never NaN.
+    end = cu[-1].item()
+    for x in (got[0], *got[2:]):
+        assert torch.equal(x[end:], torch.zeros_like(x[end:]))
+
+
+def test_lse_gradient():
+    q, k, v, cu = make_inputs(MIXES["edges"], 64, 4, 2, torch.float32)
+    dout, dlse = torch.randn(T, 4, 64), torch.randn(4, T)
+    got = run_kernel(q, k, v, cu, (20, 0), 0.125, dout, dlse)
+    want = run_reference(q, k, v, cu, (20, 0), 0.125, dout, dlse)
+    for x, ref in zip(got[2:], want[2:], strict=True):
+        assert rel_err(x, ref) < 1e-5
+
+
+def test_strided_inputs_and_public_api():
+    """q, k, v as views of one fused projection, through flash_attn_varlen with causal=True."""
+    heads, kv_heads, d = 4, 2, 64
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * d, dtype=torch.float16)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    q, k, v = q.view(T, heads, d), k.view(T, kv_heads, d), v.view(T, kv_heads, d)
+    cu = cu_from(MIXES["random"])
+    out = flash_attn_varlen(q, k, v, cu, max(MIXES["random"]), causal=True, window_size=(30, -1))
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), cu, causal=True, window_size=(30, -1))
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
+def test_backward_is_deterministic():
+    q, k, v, cu = make_inputs(MIXES["random"], 64, 4, 1, torch.float16)
+    dout = torch.randn(T, 4, 64)
+    first = run_kernel(q, k, v, cu, (-1, 0), 0.125, dout)
+    second = run_kernel(q, k, v, cu, (-1, 0), 0.125, dout)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_compile_has_no_graph_break_and_no_recompile():
+    """fullgraph=True traces through the custom op's fake implementation; new document boundaries (same
+    number of documents) and a new max_seqlen reuse the first graph. aot_eager also traces the backward."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def loss_fn(q, k, v, cu_seqlens, max_seqlen):
+        out = flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, window_size=(16, 0))
+        return out.float().square().sum()
+
+    compiled = torch.compile(loss_fn, fullgraph=True, dynamic=False, backend=counter)
+    n = 64
+    for lengths in ([10, 20, 34, 0], [5, 1, 34, 10], [n, 0, 0, 0]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        q, k, v = (torch.randn(n, h, 64, dtype=torch.float16, requires_grad=True) for h in (2, 1, 1))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            compiled(q, k, v, cu, max(lengths)).backward()
+        grads = [x.grad for x in (q, k, v)]
+        for x in (q, k, v):
+            x.grad = None
+        loss_fn(q, k, v, cu, max(lengths)).backward()
+        assert all(torch.equal(g, x.grad) for g, x in zip(grads, (q, k, v), strict=True))
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("window", list(WINDOWS.values()), ids=list(WINDOWS))
+def test_attention_masked_matches_reference(window):
+    q, k, v, cu = make_inputs(MIXES["edges"], 32, 4, 2, torch.float64)
+    got = attention_masked(q, k, v, cu, causal=False, window_size=window)
+    want, _ = attention_reference(q, k, v, cu, causal=False, window_size=window)
+    assert rel_err(got, want) < 1e-12

@@ -1,0 +1,161 @@
+"""Varlen FlashAttention kernels on the GPU at realistic sizes (65,536 tokens, 16 heads), in bf16.
+
+Run on a CUDA machine: python -m pytest -m gpu tests/test_kernels_gpu.py
+"""
+
+import pytest
+import torch
+
+from kernels import attention_reference, flash_attn, flash_attn_varlen
+from kernels.op import flash_attn_varlen_fwd
+from scripts.bench_attention import document_lengths
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or flash_attn.INTERPRET, reason="needs CUDA"),
+]
+
+T = 65536
+# Long documents (the fp32 reference holds [H, L, L] scores per document, so at most 8192 here), a
+# document of length 1, zero-length documents, and 1,205 tokens past the last document.
+LONG = [8192, 8192, 7000, 6001, 4096, 129, 1, 0, *[2048] * 15, 0, 0]
+
+
+def lengths_of(mix: str) -> list[int]:
+    return LONG if mix == "long" else document_lengths(mix, T)
+
+
+def make_inputs(lengths, heads, kv_heads, d, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (
+        torch.randn(T, h, d, device="cuda", dtype=dtype, generator=gen) for h in (heads, kv_heads, kv_heads)
+    )
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return q, k, v, cu
+
+
+def grads(fn, q, k, v, cu, dout):
+    """(out, lse, dq, dk, dv) of fn(q, k, v, cu) for the output gradient dout."""
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    out, lse = fn(*inputs, cu)
+    return (out.detach(), lse, *torch.autograd.grad(out, inputs, dout))
+
+
+def ours(window):
+    return lambda q, k, v, cu: flash_attn_varlen_fwd(q, k, v, cu, *window, q.shape[-1] ** -0.5)
+
+
+def reference(window):
+    return lambda q, k, v, cu: attention_reference(q, k, v, cu, causal=False, window_size=window)
+
+
+def torch_varlen(window, lengths):
+    from torch.nn.attention.varlen import varlen_attn
+
+    longest = max(lengths)
+    return lambda q, k, v, cu: (varlen_attn(q, k, v, cu, cu, longest, longest, window_size=window), None)
+
+
+def rel_err(x, ref):
+    return ((x.float() - ref).norm() / ref.norm()).item()
+
+
+CASES = [  # mix, head dim, heads, kv heads, window
+    ("a_nanochat", 128, 16, 16, (-1, 0)),
+    ("a_nanochat", 64, 16, 16, (-1, 0)),
+    ("b_short", 128, 16, 4, (-1, 0)),
+    ("a_nanochat", 128, 16, 16, (512, 0)),
+    ("long", 64, 16, 2, (1024, 0)),
+    ("long", 128, 16, 16, (-1, 0)),
+    ("b_short", 96, 16, 8, (-1, 0)),  # padded head dim
+    ("a_nanochat", 256, 8, 8, (-1, 0)),
+]
+
+
+@pytest.mark.parametrize(
+    "mix,d,heads,kv_heads,window", CASES, ids=[f"{m}-d{d}-h{h}kv{kv}-w{w[0]}" for m, d, h, kv, w in CASES]
+)
+def test_bf16_matches_fp32_reference_and_varlen_attn(mix, d, heads, kv_heads, window):
+    lengths = lengths_of(mix)
+    q, k, v, cu = make_inputs(lengths, heads, kv_heads, d)
+    dout = torch.randn(T, heads, d, device="cuda", dtype=torch.bfloat16)
+    got = grads(ours(window), q, k, v, cu, dout)
+    want = grads(reference(window), q.float(), k.float(), v.float(), cu, dout.float())
+    end = sum(lengths)
+    assert all(torch.equal(x[end:], torch.zeros_like(x[end:])) for x in (got[0], *got[2:]))
+    finite = want[1].isfinite()
+    assert torch.equal(got[1].isfinite(), finite)
+    assert (got[1][finite] - want[1][finite]).abs().max() < 1e-2
+    # Errors over the tokens inside documents (varlen_attn leaves the others unwritten).
+    errors = [
+        rel_err(x[:end], ref[:end]) for x, ref in zip(got[:1] + got[2:], want[:1] + want[2:], strict=True)
+    ]
+    assert errors[0] < 1e-2 and max(errors[1:]) < 2e-2, errors
+    if kv_heads == heads:  # torch 2.11's varlen_attn has no GQA
+        theirs = grads(torch_varlen(window, lengths), q, k, v, cu, dout)
+        their_errors = [
+            rel_err(x[:end], ref[:end])
+            for x, ref in zip(theirs[:1] + theirs[2:], want[:1] + want[2:], strict=True)
+        ]
+        assert all(e <= 1.5 * t + 1e-3 for e, t in zip(errors, their_errors, strict=True)), (
+            errors,
+            their_errors,
+        )
+
+
+def test_fp16():
+    q, k, v, cu = make_inputs(lengths_of("a_nanochat"), 16, 8, 128, torch.float16)
+    out = flash_attn_varlen(q, k, v, cu, 2048, causal=True)
+    ref, _ = attention_reference(q.float(), k.float(), v.float(), cu, causal=True)
+    assert rel_err(out, ref) < 2e-3
+
+
+def test_backward_is_bitwise_deterministic():
+    q, k, v, cu = make_inputs(lengths_of("a_nanochat"), 16, 4, 128)
+    dout = torch.randn(T, 16, 128, device="cuda", dtype=torch.bfloat16)
+    first = grads(ours((-1, 0)), q, k, v, cu, dout)
+    for _ in range(3):
+        again = grads(ours((-1, 0)), q, k, v, cu, dout)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_compiled_model_has_no_graph_break_and_no_recompile():
+    """torch.compile(fullgraph=True, dynamic=False) with inductor over a block that calls the kernel: new
+    document boundaries and a new max_seqlen every batch, one graph, forward and backward."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    heads, d, n_tokens, n_docs = 8, 64, 4096, 16
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(heads * d, 3 * heads * d, bias=False)
+            self.proj = torch.nn.Linear(heads * d, heads * d, bias=False)
+
+        def forward(self, x, cu_seqlens, max_seqlen):
+            q, k, v = self.qkv(x).view(n_tokens, 3, heads, d).unbind(1)
+            y = flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, window_size=(256, 0))
+            return self.proj(y.reshape(n_tokens, heads * d))
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = Block().cuda().bfloat16()
+    backend = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        cuts = torch.randperm(n_tokens - 1, generator=gen)[: n_docs - 4].add(1).sort().values
+        cu = torch.cat([torch.tensor([0]), cuts, torch.full((4,), n_tokens)]).int().cuda()  # 3 zero-length
+        max_seqlen = int(cu.diff().max())
+        x = torch.randn(n_tokens, heads * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            y = compiled(x, cu, max_seqlen)
+            y.float().square().mean().backward()
+        grad = x.grad
+        x.grad = None
+        y_eager = model(x, cu, max_seqlen)
+        y_eager.float().square().mean().backward()
+        assert rel_err(y, y_eager.float()) < 1e-2 and rel_err(grad, x.grad.float()) < 2e-2
+    assert backend.frame_count == 1
+    assert not counters["graph_break"]
