@@ -51,8 +51,6 @@ def check_config(cfg, info: DistInfo) -> None:
             f"total_batch_tokens={cfg.total_batch_tokens} must be a positive multiple of "
             f"data.tokens_per_micro_batch * world_size = {micro}"
         )
-    if cfg.eval_tokens < micro:
-        raise ConfigError(f"eval_tokens={cfg.eval_tokens} must be at least one buffer per rank ({micro})")
     for key in ("max_steps", "save_every", "eval_every", "sample_every", "log_every"):
         if cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be at least 1")
@@ -132,7 +130,7 @@ def train(cfg, info: DistInfo) -> None:
         device=device,
     )
 
-    model = GPT(cfg.model, data.vocab_size, attention).to(device)
+    model = GPT(cfg.model, data.vocab_size, attention, cfg.data.max_seqlen).to(device)
     optimizers = build_optimizers(model, cfg.optim)
     shape = asdict(model.shape)
 
@@ -158,6 +156,12 @@ def train(cfg, info: DistInfo) -> None:
 
     logger = RunLogger(cfg, run_dir, step, wandb_id, enabled=info.is_main)
     forward = torch.compile(model, fullgraph=True, dynamic=False) if cfg.compile else model
+    # Evaluation compiles too: eager FlexAttention would materialise the [T, T] scores.
+    token_losses = (
+        torch.compile(model.token_losses, fullgraph=True, dynamic=False)
+        if cfg.compile
+        else model.token_losses
+    )
     byte_lengths = token_bytes(data.tokenizer, data.vocab_size)
     accum = cfg.total_batch_tokens // (cfg.data.tokens_per_micro_batch * info.world_size)
     peak = peak_flops(device)
@@ -230,7 +234,11 @@ def train(cfg, info: DistInfo) -> None:
                 infinite=False,
             )
             with autocast:
-                record.update(evaluate(model, val, byte_lengths, cfg.eval_tokens // info.world_size, info))
+                record.update(
+                    evaluate(
+                        token_losses, val, byte_lengths, max(1, cfg.eval_tokens // info.world_size), info
+                    )
+                )
             val.close()
             if info.is_main:
                 bar.write(f"step {step}: val loss {record['val_loss']:.4f}, val bpb {record['val_bpb']:.4f}")

@@ -23,8 +23,11 @@ def token_bytes(tokenizer, vocab_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, batches, byte_lengths: torch.Tensor, max_tokens: int, info: DistInfo) -> dict:
-    """Mean loss per predicted token and bits per byte over up to `max_tokens` buffer tokens per rank."""
+def evaluate(token_losses, batches, byte_lengths: torch.Tensor, max_tokens: int, info: DistInfo) -> dict:
+    """Mean loss per predicted token and bits per byte over up to `max_tokens` buffer tokens per rank.
+
+    `token_losses` is the model's (possibly compiled) per-position loss function.
+    """
     nats = torch.zeros((), dtype=torch.float64, device=info.device)
     n_tokens = torch.zeros((), dtype=torch.float64, device=info.device)
     n_bytes = torch.zeros((), dtype=torch.float64, device=info.device)
@@ -33,7 +36,7 @@ def evaluate(model, batches, byte_lengths: torch.Tensor, max_tokens: int, info: 
     for batch in batches:
         if seen >= max_tokens:
             break
-        losses = model.token_losses(
+        losses = token_losses(
             batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen, batch.targets
         )
         counted = byte_lengths[batch.targets.clamp_min(0)] * (batch.targets >= 0)

@@ -19,9 +19,10 @@ def generate(
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([bos_id] + tokenizer.encode_ordinary(prompt), device=device)
     for _ in range(max_new_tokens):
-        n = ids.numel()
+        context = ids[-model.max_seqlen :]  # the model never saw positions past max_seqlen
+        n = context.numel()
         cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=device)
-        logits = model(ids, torch.arange(n, device=device), cu_seqlens, n)[-1]
+        logits = model(context, torch.arange(n, device=device), cu_seqlens, n)[-1]
         if top_k is not None:
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -52,15 +52,11 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],))
 
 
-def rotary_tables(
-    position_ids: torch.Tensor, head_dim: int, base: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, 1, head_dim / 2] for each token's position inside its segment."""
-    inv_freq = base ** (
-        -torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
-    )
-    angles = position_ids.float()[:, None] * inv_freq[None, :]
-    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+def rotary_tables(max_seqlen: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_seqlen, head_dim / 2] of every position a segment can have."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(max_seqlen, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,9 +116,10 @@ def layer_windows(pattern: str, short_window: int, n_layer: int) -> list[int]:
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg, vocab_size: int, attention: str):
+    def __init__(self, cfg, vocab_size: int, attention: str, max_seqlen: int):
         super().__init__()
         self.shape = s = GPTShape.from_config(cfg, vocab_size)
+        self.max_seqlen = max_seqlen  # the longest segment the model sees (RoPE positions 0..max_seqlen-1)
         # Plain floats and ints, not the config object: the compiled forward reads them.
         self.rope_base, self.logit_softcap = float(cfg.rope_base), float(cfg.logit_softcap)
         self.loss_chunk_tokens = int(cfg.loss_chunk_tokens)
@@ -131,6 +128,11 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(s.padded_vocab_size, s.n_embd)
         self.blocks = nn.ModuleList(Block(s, w) for w in windows)
         self.lm_head = nn.Linear(s.n_embd, s.padded_vocab_size, bias=False)
+        # Precomputed once: computed inside the compiled forward, the cos/sin would be fused into (and
+        # recomputed by) every layer's rotary kernel. Not saved: they follow from the config.
+        cos, sin = rotary_tables(max_seqlen, s.head_dim, self.rope_base)
+        self.register_buffer("rotary_cos", cos, persistent=False)
+        self.register_buffer("rotary_sin", sin, persistent=False)
         self.init_weights()
 
     @torch.no_grad()
@@ -145,7 +147,8 @@ class GPT(nn.Module):
             nn.init.zeros_(block.mlp.c_proj.weight)
 
     def hidden_states(self, input_ids, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-        rotary = rotary_tables(position_ids, self.shape.head_dim, self.rope_base)
+        # [T, 1, head_dim / 2], broadcast over heads
+        rotary = self.rotary_cos[position_ids][:, None, :], self.rotary_sin[position_ids][:, None, :]
         ctx = self.attention.prepare(cu_seqlens, max_seqlen, input_ids.shape[0])
         x = rms_norm(self.wte(input_ids))
         for block in self.blocks:

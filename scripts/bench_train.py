@@ -3,7 +3,7 @@
     python scripts/bench_train.py data.source='corpus/*.parquet' data.vocab_size=32768 \
         data.tokens_per_micro_batch=65536 data.max_seqlen=2048 data.max_num_docs=256 \
         total_batch_tokens=524288 +models=[d12,d20] +backends=[triton,flex,torch_varlen,sdpa_packed] \
-        +warmup=3 +steps=10 +out=benchmarks/train.json
+        +warmup=3 +steps=10 +out=benchmarks/train.json [+profile=true]
 
 Takes the same overrides as train.py (the data pipeline and loader are the real ones). For each model
 and backend it reports tokens/s; MFU by nanochat's formula (6 x matmul params + 12 * layers * heads *
@@ -38,11 +38,11 @@ register_configs()
 NANOCHAT_PEAK = 989e12
 
 
-def bench_one(cfg, data, info, depth: int, backend: str, warmup: int, steps: int) -> dict:
+def bench_one(cfg, data, info, depth: int, backend: str, warmup: int, steps: int, profile: bool) -> dict:
     device = info.device
     cfg.model.depth = depth
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model, data.vocab_size, backend).to(device)
+    model = GPT(cfg.model, data.vocab_size, backend, cfg.data.max_seqlen).to(device)
     optimizers = build_optimizers(model, cfg.optim)
     forward = torch.compile(model, fullgraph=True, dynamic=False) if cfg.compile else model
     loader = PackedLoader(data, cfg.data, split="train", rank=0, world_size=1, seed=cfg.seed, device=device)
@@ -71,6 +71,17 @@ def bench_one(cfg, data, info, depth: int, backend: str, warmup: int, steps: int
         waits.append(result.data_wait_s)
         attn_flops.append(result.attention_flops.item())
         losses.append(loss)
+    if profile:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            timed_step()
+        print(f"profile of one step, d{depth} {backend}:")
+        print(
+            prof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=30, max_name_column_width=70
+            )
+        )
     loader.close()
     step_time = sorted(times)[len(times) // 2]
     s = model.shape
@@ -112,12 +123,13 @@ def main(cfg) -> None:
     models = list(cfg.get("models", ["d12", "d20"]))
     backends = list(cfg.get("backends", ["triton", "flex", "torch_varlen", "sdpa_packed"]))
     warmup, steps = int(cfg.get("warmup", 3)), int(cfg.get("steps", 10))
+    profile = bool(cfg.get("profile", False))  # +profile=true: per-kernel table of one extra step
     data = prepare(cfg.data, build=True)
     rows = []
     for name in models:
         for backend in backends:
             try:
-                row = bench_one(cfg, data, info, int(str(name).lstrip("d")), backend, warmup, steps)
+                row = bench_one(cfg, data, info, int(str(name).lstrip("d")), backend, warmup, steps, profile)
             except torch.OutOfMemoryError:
                 row = {"model": name, "attention": backend, "error": "out of memory"}
             release_memory()

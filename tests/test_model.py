@@ -20,7 +20,7 @@ def tiny_model(attention="reference", dtype=torch.float64, **overrides) -> GPT:
     cfg = ModelConfig(
         **{"depth": 2, "head_dim": 16, "aspect_ratio": 32, "loss_chunk_tokens": 40, **overrides}
     )
-    model = GPT(cfg, vocab_size=97, attention=attention).to(dtype)
+    model = GPT(cfg, vocab_size=97, attention=attention, max_seqlen=128).to(dtype)
     with torch.no_grad():  # zero-initialised projections would hide mixing between tokens
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -100,7 +100,12 @@ def test_width_and_heads_follow_depth():
 
 def test_initial_loss_is_near_uniform():
     torch.manual_seed(0)
-    model = GPT(ModelConfig(depth=2, head_dim=16, aspect_ratio=32), vocab_size=97, attention="reference")
+    model = GPT(
+        ModelConfig(depth=2, head_dim=16, aspect_ratio=32),
+        vocab_size=97,
+        attention="reference",
+        max_seqlen=64,
+    )
     cu, pos = segments([64])
     ids, targets = torch.randint(0, 97, (64,)), torch.randint(0, 97, (64,))
     assert abs(model(ids, pos, cu, 64, targets).item() - torch.log(torch.tensor(97.0)).item()) < 0.05

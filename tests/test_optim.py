@@ -24,7 +24,7 @@ def test_orthogonalize_approximates_polar_factor(shape):
 
 
 def test_muon_takes_block_matrices_and_adamw_the_rest():
-    model = GPT(ModelConfig(depth=2, head_dim=32), vocab_size=100, attention="reference")
+    model = GPT(ModelConfig(depth=2, head_dim=32), vocab_size=100, attention="reference", max_seqlen=64)
     adamw, muon = build_optimizers(model, OptimConfig(name="muon"))
     muon_params = {id(p) for g in muon.param_groups for p in g["params"]}
     adam_params = {id(p) for g in adamw.param_groups for p in g["params"]}
@@ -38,7 +38,7 @@ def test_muon_takes_block_matrices_and_adamw_the_rest():
 
 def test_muon_training_reduces_loss():
     torch.manual_seed(0)
-    model = GPT(ModelConfig(depth=2, head_dim=32), vocab_size=50, attention="reference")
+    model = GPT(ModelConfig(depth=2, head_dim=32), vocab_size=50, attention="reference", max_seqlen=64)
     optimizers = build_optimizers(model, OptimConfig(name="muon"))
     ids = torch.randint(0, 50, (64,))
     cu, pos = torch.tensor([0, 64], dtype=torch.int32), torch.arange(64)

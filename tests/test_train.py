@@ -190,6 +190,22 @@ def test_wandb_offline_run_is_written_for_later_sync(tmp_path, corpus):
     )
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+    sync = subprocess.run(
+        [sys.executable, "-m", "wandb", "sync", "--dry-run", str(runs[0])],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "WANDB_API_KEY": ""},
+    )
+    assert sync.returncode == 0 and "Would sync 1 run" in sync.stdout + sync.stderr
+    # A resumed run continues the same wandb run id.
+    run_train(
+        small_run(corpus, run_dir, "max_steps=6", "wandb.mode=offline"), env_extra={"WANDB_API_KEY": ""}
+    )
+    ids = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    assert len(ids) == 1, ids
+    # A checkpoint of another model shape is refused, naming the difference.
+    proc = run_train(small_run(corpus, run_dir, "max_steps=8", "model.depth=2"), check=False)
+    assert proc.returncode != 0 and "n_layer: checkpoint 1 vs config 2" in proc.stderr
     disabled = tmp_path / "disabled"
     run_train(small_run(corpus, disabled, "max_steps=2"))
     assert not (disabled / "wandb").exists()
