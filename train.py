@@ -120,15 +120,20 @@ def train(cfg, info: DistInfo) -> None:
         prepare(cfg.data, build=True)
     barrier(info)
     data = prepare(cfg.data, build=False)
-    loader = PackedLoader(
-        data,
-        cfg.data,
-        split="train",
-        rank=info.rank,
-        world_size=info.world_size,
-        seed=cfg.seed,
-        device=device,
-    )
+
+    def make_loader(split: str, infinite: bool) -> PackedLoader:
+        return PackedLoader(
+            data,
+            cfg.data,
+            split=split,
+            rank=info.rank,
+            world_size=info.world_size,
+            seed=cfg.seed,
+            device=device,
+            infinite=infinite,
+        )
+
+    loader = make_loader("train", infinite=True)
 
     model = GPT(cfg.model, data.vocab_size, attention, cfg.data.max_seqlen).to(device)
     optimizers = build_optimizers(model, cfg.optim)
@@ -223,16 +228,7 @@ def train(cfg, info: DistInfo) -> None:
             }
         )
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            val = PackedLoader(
-                data,
-                cfg.data,
-                split="val",
-                rank=info.rank,
-                world_size=info.world_size,
-                seed=cfg.seed,
-                device=device,
-                infinite=False,
-            )
+            val = make_loader("val", infinite=False)
             with autocast:
                 record.update(
                     evaluate(
