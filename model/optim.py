@@ -12,16 +12,17 @@ from model.gpt import GPT
 
 
 def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Approximate U V^T of g = U S V^T by a quintic Newton-Schulz iteration (Muon).
+    """Approximate U V^T of each g = U S V^T in a batch [..., m, n] by a quintic Newton-Schulz
+    iteration (Muon).
 
     The coefficients push singular values towards 1 quickly rather than exactly; bf16 is enough.
     """
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.bfloat16()
-    tall = x.shape[0] > x.shape[1]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
-    x = x / (x.norm() + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
@@ -32,25 +33,34 @@ def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 class Muon(torch.optim.Optimizer):
     """SGD with Nesterov momentum whose update is orthogonalised, scaled so that tall and wide
-    matrices get updates of a similar RMS."""
+    matrices get updates of a similar RMS.
+
+    Each param group holds matrices of one shape, orthogonalised together as one batch: a few large
+    batched matmuls instead of many small launches.
+    """
 
     def __init__(self, params, lr: float, momentum: float):
-        super().__init__(params, dict(lr=lr, momentum=momentum))
+        params = list(params)
+        shapes = sorted({tuple(p.shape) for p in params})
+        groups = [dict(params=[p for p in params if tuple(p.shape) == shape]) for shape in shapes]
+        super().__init__(groups, dict(lr=lr, momentum=momentum))
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                update = orthogonalize(p.grad.lerp(buf, group["momentum"]))
-                scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-                p.add_(update.to(p.dtype), alpha=-group["lr"] * scale)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
+            nesterov = torch.stack(grads).lerp_(torch.stack(bufs), group["momentum"])
+            update = orthogonalize(nesterov).to(params[0].dtype)
+            scale = max(1.0, params[0].shape[0] / params[0].shape[1]) ** 0.5
+            torch._foreach_add_(params, list(update.unbind(0)), alpha=-group["lr"] * scale)
 
 
 def build_optimizers(model: GPT, cfg) -> list[torch.optim.Optimizer]:

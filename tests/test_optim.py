@@ -61,3 +61,11 @@ def test_schedule_warmup_constant_warmdown():
     assert lrs[80] == pytest.approx(1.0) and lrs[90] == pytest.approx(0.55)
     assert all(a > b for a, b in zip(lrs[80:], lrs[81:], strict=False))
     assert lrs[99] > 0.1
+
+
+def test_batched_orthogonalize_matches_one_matrix_at_a_time():
+    torch.manual_seed(0)
+    batch = torch.randn(3, 48, 32)
+    together = orthogonalize(batch).float()
+    for i in range(3):
+        torch.testing.assert_close(together[i], orthogonalize(batch[i]).float(), rtol=2e-2, atol=2e-2)
