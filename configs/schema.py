@@ -27,7 +27,11 @@ class ModelConfig:
     # One letter per layer, repeated over depth: L = full causal context, S = short_window tokens.
     window_pattern: str = "L"
     short_window: int = 256
-    loss_chunk_tokens: int = 4096  # cross-entropy is computed this many tokens at a time
+    # Cross-entropy is computed this many tokens at a time. A chunk's bf16 logits and their gradient
+    # (0.5 GB each at 8,192 tokens, vocab 32,768) are freed after its pass, but every chunk's head-gradient
+    # term ([vocab, width]) lives to the end of the forward. At d12 on an H200, 8,192 peaked 1.5 GB lower
+    # than 4,096, at the same speed.
+    loss_chunk_tokens: int = 8192
 
 
 @dataclass

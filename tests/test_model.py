@@ -41,24 +41,39 @@ def test_packed_logits_equal_each_document_alone(overrides):
             torch.testing.assert_close(packed[start:end], alone, rtol=1e-9, atol=1e-9)
 
 
-def test_chunked_loss_matches_full_cross_entropy_and_gradients():
-    model = tiny_model()
+@pytest.mark.parametrize(
+    ("logit_softcap", "loss_chunk_tokens"),
+    [(15.0, 40), (0.0, 40), (15.0, 128), (0.0, 1000)],  # chunks of 40 leave a last chunk of 8
+)
+def test_chunked_loss_matches_full_cross_entropy_and_gradients(logit_softcap, loss_chunk_tokens):
+    model = tiny_model(logit_softcap=logit_softcap, loss_chunk_tokens=loss_chunk_tokens)
     cu, pos = segments([50, 37, 41])
     ids = torch.randint(0, 97, (128,))
     targets = torch.randint(0, 97, (128,))
     targets[::5] = -1
+    targets[40:80] = -1  # a whole chunk of 40 without targets
     loss = model(ids, pos, cu, 64, targets)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    reference = F.cross_entropy(model(ids, pos, cu, 64), targets, ignore_index=-1)
+    logits = model(ids, pos, cu, 64)
+    reference = F.cross_entropy(logits, targets, ignore_index=-1)
     reference.backward()
     torch.testing.assert_close(loss, reference, rtol=1e-9, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-9, msg=name)
     losses = model.token_losses(ids, pos, cu, 64, targets)
+    per_token = F.cross_entropy(logits.detach(), targets, ignore_index=-1, reduction="none")
+    torch.testing.assert_close(losses, per_token, rtol=1e-9, atol=1e-12)
     assert (losses[targets < 0] == 0).all()
-    torch.testing.assert_close(losses.sum() / (targets >= 0).sum(), reference, rtol=1e-9, atol=0)
+
+
+def test_chunked_loss_without_targets_is_zero():
+    model = tiny_model()
+    cu, pos = segments([128])
+    loss = model(torch.randint(0, 97, (128,)), pos, cu, 128, torch.full((128,), -1))
+    loss.backward()
+    assert loss.item() == 0 and all((p.grad == 0).all() for p in model.parameters())
 
 
 def test_flex_backend_matches_reference():
@@ -111,7 +126,43 @@ def test_initial_loss_is_near_uniform():
     assert abs(model(ids, pos, cu, 64, targets).item() - torch.log(torch.tensor(97.0)).item()) < 0.05
 
 
-def test_compiled_model_has_no_graph_break_and_no_recompile():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_autocast_runs_the_residual_stream_and_attention_in_bf16(device):
+    model = tiny_model(dtype=torch.float32).to(device)
+    cu, pos = segments([50, 37, 41])
+    cu, pos = cu.to(device), pos.to(device)
+    ids, targets = torch.randint(0, 97, (128,), device=device), torch.randint(0, 97, (128,), device=device)
+    fp32_loss = model(ids, pos, cu, 64, targets)
+    dtypes = set()
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, out: dtypes.add(out.dtype))
+
+    def attend(q, k, v, *args, attend=model.attention.attend):
+        dtypes.update((q.dtype, k.dtype, v.dtype))
+        return attend(q, k, v, *args)
+
+    model.attention.attend = attend
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss = model(ids, pos, cu, 64, targets)
+        h = model.hidden_states(ids, pos, cu, 64)
+    loss.backward()
+    assert dtypes == {torch.bfloat16} and h.dtype == torch.bfloat16
+    assert loss.dtype == torch.float32
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+    torch.testing.assert_close(loss, fp32_loss, rtol=0.02, atol=0)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_model_has_no_graph_break_and_no_recompile(autocast):
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
@@ -119,10 +170,13 @@ def test_compiled_model_has_no_graph_break_and_no_recompile():
     model = tiny_model(dtype=torch.float32)
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     ids, targets = torch.randint(0, 97, (128,)), torch.randint(0, 97, (128,))
+    tolerance = 2e-3 if autocast else 1e-4  # bf16 roundings fall in different places once fused
     for lengths in ([128, 0, 0, 0], [10, 50, 60, 8], [1, 1, 1, 125], [64, 64, 0, 0]):
         cu, pos = segments(lengths)
-        loss = compiled(ids, pos, cu, 128, targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = compiled(ids, pos, cu, 128, targets)
+            eager = model(ids, pos, cu, 128, targets)
         loss.backward()
-        torch.testing.assert_close(loss, model(ids, pos, cu, 128, targets), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(loss, eager, rtol=tolerance, atol=tolerance)
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
