@@ -67,8 +67,12 @@ def rotary_tables(max_seqlen: int, head_dim: int, base: float) -> tuple[torch.Te
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+    """Rotate the two halves of x's last dim, in x's dtype (as nanochat): the compiled kernel still works
+    in fp32 inside, while an fp32 round trip here left the backward with fp32 copies of q and k's
+    gradients and a separate cast kernel each."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 class CausalSelfAttention(nn.Module):
