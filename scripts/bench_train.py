@@ -76,10 +76,12 @@ def bench_one(cfg, data, info, depth: int, backend: str, warmup: int, steps: int
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as prof:
             wall = timed_step()[0]
-        events = prof.key_averages()
-        busy = sum(e.self_device_time_total for e in events) / 1e6
-        print(f"profile of one step, d{depth} {backend}: {wall:.3f} s wall, GPU busy {busy:.3f} s")
-        print(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+        print(f"profile of one step, d{depth} {backend}: {wall:.3f} s wall")
+        print(
+            prof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=40, max_name_column_width=70
+            )
+        )
     loader.close()
     step_time = sorted(times)[len(times) // 2]
     s = model.shape
