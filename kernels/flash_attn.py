@@ -6,7 +6,9 @@ cu_seqlens[-1] that belong to no document. Each kernel runs on a grid (tiles, he
 the device, so the grid size depends on T and N only (never on the boundaries, and nothing waits for the
 host); the table has at most cdiv(T, BLOCK) + N real tiles, zero-length documents have none, and the
 unused entries exit at once. Documents may be split by length into classes with their own block sizes
-(block_config), one launch each.
+(block_config), one launch each. On Hopper, a class may stream its inner loop's tiles by TMA through
+ragged descriptors (triton.tools.ragged_tma): the hardware bounds each load to the tile's document and
+fills the rest with zeros, so no thread computes addresses or masks for those loads.
 
 Query i of a document sees key j of the same document when i - left <= j <= i + right (window_size as in
 flash-attn; causal means right = 0; an unbounded side is passed as T). The kernels work in base 2:
@@ -34,6 +36,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Whether triton.language was set up for the interpreter too (see the module docstring).
@@ -47,6 +50,9 @@ class Blocks(NamedTuple):
     n: int  # key rows per block
     warps: int
     stages: int
+    # The inner loop's tiles come by TMA (Hopper's tensor memory accelerator, through a descriptor that
+    # bounds each document in hardware) instead of per-thread loads, where that measured faster.
+    tma: bool = False
 
 
 # Per kernel, (longest document, blocks) classes in increasing length; None is unbounded. Each class is
@@ -59,20 +65,21 @@ def block_config(head_dim: int) -> Config:
     """Block sizes of the three kernels: the one place where they are chosen (measured on an H200)."""
     if INTERPRET:  # small, unequal blocks and two classes, so that small test buffers exercise every path
         return {
-            "fwd": [(40, Blocks(16, 16, 4, 1)), (None, Blocks(32, 16, 4, 1))],
-            "dq": [(24, Blocks(16, 32, 4, 1)), (None, Blocks(32, 16, 4, 1))],
-            "dkdv": [(56, Blocks(16, 32, 4, 1)), (None, Blocks(32, 16, 4, 1))],
+            "fwd": [(40, Blocks(16, 16, 4, 1, True)), (None, Blocks(32, 16, 4, 1))],
+            "dq": [(24, Blocks(16, 32, 4, 1)), (None, Blocks(32, 16, 4, 1, True))],
+            "dkdv": [(56, Blocks(16, 32, 4, 1, True)), (None, Blocks(32, 16, 4, 1))],
         }
     if head_dim <= 64:
         return {
-            "fwd": [(None, Blocks(64, 64, 4, 3))], "dq": [(None, Blocks(64, 64, 4, 3))],
+            "fwd": [(2048, Blocks(64, 64, 4, 3, True)), (None, Blocks(128, 64, 4, 3, True))],
+            "dq": [(None, Blocks(64, 64, 4, 3))],
             "dkdv": [(None, Blocks(32, 128, 4, 3))],
         }
     if head_dim <= 128:
         return {
-            "fwd": [(2048, Blocks(64, 32, 4, 3)), (None, Blocks(128, 128, 8, 3))],
-            "dq": [(2048, Blocks(64, 32, 4, 3)), (None, Blocks(128, 64, 8, 3))],
-            "dkdv": [(2048, Blocks(32, 64, 4, 3)), (None, Blocks(64, 128, 8, 2))],
+            "fwd": [(2048, Blocks(64, 64, 4, 3, True)), (None, Blocks(128, 128, 8, 3, True))],
+            "dq": [(None, Blocks(128, 64, 8, 3))],
+            "dkdv": [(2048, Blocks(32, 64, 4, 3, True)), (None, Blocks(64, 128, 8, 2))],
         }
     return {
         "fwd": [(None, Blocks(64, 64, 4, 2))], "dq": [(None, Blocks(64, 32, 4, 2))],
@@ -214,22 +221,41 @@ def _store_rows(base, rows, stride, n_rows, x, HEAD_DIM: tl.constexpr, BLOCK_D: 
         tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
 
 
+@triton.jit
+def _load_block(
+    desc, base, start, n_rows, row0, head, stride, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr,
+):
+    """[BLOCK, BLOCK_D] tile of rows row0.. of a segment of n_rows rows starting at token `start`, one
+    head; rows past n_rows read as 0. By TMA from the [T, H, D] descriptor, or from `base` (the segment's
+    first row of this head) by pointers."""
+    if TMA:
+        return tl.reshape(load_ragged(desc, start, n_rows, [row0, head, 0]), [BLOCK, BLOCK_D])
+    return _load_rows(base, row0 + tl.arange(0, BLOCK), stride, n_rows, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 
 
 @triton.jit
 def _fwd_blocks(
-    acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows, q_len, k_len, left, right, qk_scale,
-    block_lo, block_hi, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
+    acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, start, kv_head, stride_kt, stride_vt, rows, q_len,
+    k_len, left, right, qk_scale, block_lo, block_hi, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
 ):
     """Online softmax over key blocks [block_lo, block_hi): m_i is the running max of the base-2 scores,
     l_i the running sum of exp2(score - m_i), acc the running sum of exp2(score - m_i) * v."""
     for block in range(block_lo, block_hi):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base, cols, stride_kt, k_len, HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(v_base, cols, stride_vt, k_len, HEAD_DIM, BLOCK_D, MASKED)
+        k = _load_block(
+            k_desc, k_base, start, k_len, block * BLOCK_N, kv_head, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_N,
+            MASKED, TMA,
+        )
+        v = _load_block(
+            v_desc, v_base, start, k_len, block * BLOCK_N, kv_head, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
+            MASKED, TMA,
+        )
         s = tl.dot(q, tl.trans(k))
         if MASKED:
             s = tl.where(_visible(rows[:, None], cols[None, :], q_len, k_len, left, right), s, float("-inf"))
@@ -245,16 +271,17 @@ def _fwd_blocks(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_qt, stride_qh, stride_kt, stride_kh,
-    stride_vt, stride_vh, stride_ot, stride_oh, group, left, right, qk_scale, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q, K, V, Out, Lse, k_desc, v_desc, tiles, n_tiles, cu_seqlens, n_docs, T, stride_qt, stride_qh,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, group, left, right, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    segment, block, start, q_len, k_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
+    segment, block, first, q_len, k_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
     if segment < 0:
         return
     head = tl.program_id(1)
     kv_head = head // group
-    start = start.to(tl.int64)
+    start = first.to(tl.int64)
     q_base = Q + start * stride_qt + head * stride_qh
     k_base = K + start * stride_kt + kv_head * stride_kh
     v_base = V + start * stride_vt + kv_head * stride_vh
@@ -270,16 +297,16 @@ def _fwd_kernel(
     # Masked blocks at the window's left edge, unmasked blocks, masked blocks on the diagonal/document end.
     lo, full_lo, full_hi, hi = _block_range(r0, tl.minimum(r0 + BLOCK_M, q_len), k_len, left, right, BLOCK_N)
     acc, l_i, m_i = _fwd_blocks(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows, q_len, k_len, left, right, qk_scale, lo,
-        full_lo, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+        acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, first, kv_head, stride_kt, stride_vt, rows, q_len,
+        k_len, left, right, qk_scale, lo, full_lo, HEAD_DIM, BLOCK_D, BLOCK_N, True, TMA,
     )
     acc, l_i, m_i = _fwd_blocks(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows, q_len, k_len, left, right, qk_scale,
-        full_lo, full_hi, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+        acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, first, kv_head, stride_kt, stride_vt, rows, q_len,
+        k_len, left, right, qk_scale, full_lo, full_hi, HEAD_DIM, BLOCK_D, BLOCK_N, False, TMA,
     )
     acc, l_i, m_i = _fwd_blocks(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows, q_len, k_len, left, right, qk_scale,
-        full_hi, hi, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+        acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, first, kv_head, stride_kt, stride_vt, rows, q_len,
+        k_len, left, right, qk_scale, full_hi, hi, HEAD_DIM, BLOCK_D, BLOCK_N, True, TMA,
     )
 
     # A row that saw no key (the tail) gets out = 0 and lse = -inf.
@@ -300,15 +327,21 @@ def _fwd_kernel(
 
 @triton.jit
 def _dq_blocks(
-    dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, q_len, k_len, left, right, qk_scale,
-    block_lo, block_hi, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
+    dq, q, do, lse, delta, k_desc, v_desc, k_base, v_base, start, kv_head, stride_kt, stride_vt, rows, q_len,
+    k_len, left, right, qk_scale, block_lo, block_hi, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
 ):
     """dQ += dS K over key blocks [block_lo, block_hi), with P = exp2(S - lse) and dS = P (dO V^T - delta)."""
     for block in range(block_lo, block_hi):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base, cols, stride_kt, k_len, HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(v_base, cols, stride_vt, k_len, HEAD_DIM, BLOCK_D, MASKED)
+        k = _load_block(
+            k_desc, k_base, start, k_len, block * BLOCK_N, kv_head, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_N,
+            MASKED, TMA,
+        )
+        v = _load_block(
+            v_desc, v_base, start, k_len, block * BLOCK_N, kv_head, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
+            MASKED, TMA,
+        )
         s = tl.dot(q, tl.trans(k))
         dp = tl.dot(do, tl.trans(v))  # issued before the exponentials, which it can then overlap
         p = tl.exp2(s * qk_scale - lse[:, None])
@@ -321,17 +354,18 @@ def _dq_blocks(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, tiles, n_tiles, cu_seqlens, n_docs, T, stride_qt, stride_qh,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh, stride_dqt,
-    stride_dqh, group, left, right, qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DLSE: tl.constexpr,
+    Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, k_desc, v_desc, tiles, n_tiles, cu_seqlens, n_docs, T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot,
+    stride_doh, stride_dqt, stride_dqh, group, left, right, qk_scale, sm_scale, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DLSE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    segment, block, start, q_len, k_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
+    segment, block, first, q_len, k_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
     if segment < 0:
         return
     head = tl.program_id(1)
     kv_head = head // group
-    start = start.to(tl.int64)
+    start = first.to(tl.int64)
     k_base = K + start * stride_kt + kv_head * stride_kh
     v_base = V + start * stride_vt + kv_head * stride_vh
 
@@ -356,16 +390,16 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = _block_range(r0, tl.minimum(r0 + BLOCK_M, q_len), k_len, left, right, BLOCK_N)
     dq = _dq_blocks(
-        dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, q_len, k_len, left, right,
-        qk_scale, lo, full_lo, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+        dq, q, do, lse, delta, k_desc, v_desc, k_base, v_base, first, kv_head, stride_kt, stride_vt, rows,
+        q_len, k_len, left, right, qk_scale, lo, full_lo, HEAD_DIM, BLOCK_D, BLOCK_N, True, TMA,
     )
     dq = _dq_blocks(
-        dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, q_len, k_len, left, right,
-        qk_scale, full_lo, full_hi, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+        dq, q, do, lse, delta, k_desc, v_desc, k_base, v_base, first, kv_head, stride_kt, stride_vt, rows,
+        q_len, k_len, left, right, qk_scale, full_lo, full_hi, HEAD_DIM, BLOCK_D, BLOCK_N, False, TMA,
     )
     dq = _dq_blocks(
-        dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, q_len, k_len, left, right,
-        qk_scale, full_hi, hi, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+        dq, q, do, lse, delta, k_desc, v_desc, k_base, v_base, first, kv_head, stride_kt, stride_vt, rows,
+        q_len, k_len, left, right, qk_scale, full_hi, hi, HEAD_DIM, BLOCK_D, BLOCK_N, True, TMA,
     )
     _store_rows(
         dQ + start * stride_dqt + head * stride_dqh, rows, stride_dqt, q_len,
@@ -375,16 +409,22 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_blocks(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, cols, q_len, k_len, left,
-    right, qk_scale, block_lo, block_hi, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr,
+    dk, dv, k, v, q_desc, do_desc, q_base, do_base, start, head, lse_base, delta_base, stride_qt, stride_dot,
+    cols, q_len, k_len, left, right, qk_scale, block_lo, block_hi, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
 ):
     """dV += P^T dO and dK += dS^T Q over query blocks [block_lo, block_hi), computed transposed
     ([keys, queries]) so that the key rows of this program stay the row dimension."""
     for block in range(block_lo, block_hi):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        q = _load_rows(q_base, rows, stride_qt, q_len, HEAD_DIM, BLOCK_D, MASKED)
-        do = _load_rows(do_base, rows, stride_dot, q_len, HEAD_DIM, BLOCK_D, MASKED)
+        q = _load_block(
+            q_desc, q_base, start, q_len, block * BLOCK_M, head, stride_qt, HEAD_DIM, BLOCK_D, BLOCK_M,
+            MASKED, TMA,
+        )
+        do = _load_block(
+            do_desc, do_base, start, q_len, block * BLOCK_M, head, stride_dot, HEAD_DIM, BLOCK_D, BLOCK_M,
+            MASKED, TMA,
+        )
         if MASKED:
             lse = tl.load(lse_base + rows, mask=rows < q_len, other=0.0) * LOG2E
             delta = tl.load(delta_base + rows, mask=rows < q_len, other=0.0)
@@ -404,16 +444,16 @@ def _dkdv_blocks(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, tiles, n_tiles, cu_seqlens, n_docs, T, stride_qt, stride_qh, stride_kt,
-    stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    group, left, right, qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q, K, V, dOut, Lse, Delta, dK, dV, q_desc, do_desc, tiles, n_tiles, cu_seqlens, n_docs, T, stride_qt,
+    stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh,
+    stride_dvt, stride_dvh, group, left, right, qk_scale, sm_scale, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    segment, block, start, k_len, q_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
+    segment, block, first, k_len, q_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
     if segment < 0:
         return
     kv_head = tl.program_id(1)
-    start = start.to(tl.int64)
+    start = first.to(tl.int64)
     c0 = block * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)
     k = _load_rows(
@@ -433,16 +473,19 @@ def _bwd_dkdv_kernel(
         lse_base = Lse + head * T + start
         delta_base = Delta + head * T + start
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, cols, q_len, k_len,
-            left, right, qk_scale, lo, full_lo, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+            dk, dv, k, v, q_desc, do_desc, q_base, do_base, first, head, lse_base, delta_base, stride_qt,
+            stride_dot, cols, q_len, k_len, left, right, qk_scale, lo, full_lo, HEAD_DIM, BLOCK_D, BLOCK_M,
+            True, TMA,
         )
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, cols, q_len, k_len,
-            left, right, qk_scale, full_lo, full_hi, HEAD_DIM, BLOCK_D, BLOCK_M, False,
+            dk, dv, k, v, q_desc, do_desc, q_base, do_base, first, head, lse_base, delta_base, stride_qt,
+            stride_dot, cols, q_len, k_len, left, right, qk_scale, full_lo, full_hi, HEAD_DIM, BLOCK_D,
+            BLOCK_M, False, TMA,
         )
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, cols, q_len, k_len,
-            left, right, qk_scale, full_hi, hi, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+            dk, dv, k, v, q_desc, do_desc, q_base, do_base, first, head, lse_base, delta_base, stride_qt,
+            stride_dot, cols, q_len, k_len, left, right, qk_scale, full_hi, hi, HEAD_DIM, BLOCK_D, BLOCK_M,
+            True, TMA,
         )
     _store_rows(
         dK + start * stride_dkt + kv_head * stride_dkh, cols, stride_dkt, k_len,
@@ -478,20 +521,34 @@ def _check_launch(*tensors: torch.Tensor) -> None:
         raise ValueError("a token offset times the token stride must stay below 2**31")
 
 
+def _descriptors(blocks: Blocks, rows: int, block_d: int, *tensors: torch.Tensor) -> tuple:
+    """Ragged TMA descriptors of [T, H, D] tensors for [rows, block_d] tiles of one head, or Nones where the
+    config does not ask for TMA or TMA cannot serve them all: before Hopper, or unaligned base or strides."""
+    if not blocks.tma or (not INTERPRET and torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
+        return (None,) * len(tensors)
+    for x in tensors:
+        if x.data_ptr() % 16 or any(stride * x.element_size() % 16 for stride in x.stride()[:-1]):
+            return (None,) * len(tensors)
+    return tuple(create_ragged_descriptor(x, [rows, 1, block_d]) for x in tensors)
+
+
 def forward(q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_scale: float):
     """out [T, H, D] in q's dtype and lse [H, T] float32 (natural log). The last dims must be contiguous."""
     T, H, D = q.shape
     _check_launch(q, k, v)
     left, right = _window(T, window_left, window_right)
+    BLOCK_D = _padded_dim(D)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     for shortest, longest, blocks in _classes(block_config(D)["fwd"], T):
         tiles = tile_table(cu_seqlens, T, blocks.m, True, shortest, longest)
+        k_desc, v_desc = _descriptors(blocks, blocks.n, BLOCK_D, k, v)
         _fwd_kernel[(tiles.shape[1], H)](
-            q, k, v, out, lse, tiles, tiles.shape[1], cu_seqlens, cu_seqlens.numel() - 1, T, q.stride(0),
-            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            H // k.shape[1], left, right, softmax_scale * LOG2E.value, HEAD_DIM=D, BLOCK_D=_padded_dim(D),
-            BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages,
+            q, k, v, out, lse, k_desc, v_desc, tiles, tiles.shape[1], cu_seqlens, cu_seqlens.numel() - 1, T,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+            out.stride(1), H // k.shape[1], left, right, softmax_scale * LOG2E.value, HEAD_DIM=D,
+            BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=blocks.n, TMA=k_desc is not None,
+            num_warps=blocks.warps, num_stages=blocks.stages,
         )
     return out, lse
 
@@ -505,6 +562,7 @@ def backward(
     _check_launch(dout, q, k, v, out)
     config = block_config(D)
     left, right = _window(T, window_left, window_right)
+    BLOCK_D = _padded_dim(D)
     n_docs = cu_seqlens.numel() - 1
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -513,21 +571,25 @@ def backward(
 
     for shortest, longest, blocks in _classes(config["dq"], T):
         tiles = tile_table(cu_seqlens, T, blocks.m, True, shortest, longest)
+        k_desc, v_desc = _descriptors(blocks, blocks.n, BLOCK_D, k, v)
         _bwd_dq_kernel[(tiles.shape[1], H)](
-            q, k, v, out, dout, lse, dlse, delta, dq, tiles, tiles.shape[1], cu_seqlens, n_docs, T,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-            out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), H // H_kv, left, right,
-            softmax_scale * LOG2E.value, softmax_scale, HEAD_DIM=D, BLOCK_D=_padded_dim(D), BLOCK_M=blocks.m,
-            BLOCK_N=blocks.n, HAS_DLSE=dlse is not None, num_warps=blocks.warps, num_stages=blocks.stages,
+            q, k, v, out, dout, lse, dlse, delta, dq, k_desc, v_desc, tiles, tiles.shape[1], cu_seqlens,
+            n_docs, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+            H // H_kv, left, right, softmax_scale * LOG2E.value, softmax_scale, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+            BLOCK_M=blocks.m, BLOCK_N=blocks.n, HAS_DLSE=dlse is not None, TMA=k_desc is not None,
+            num_warps=blocks.warps, num_stages=blocks.stages,
         )
     # Under a causal mask the first key blocks are seen by the most queries: run them first.
     for shortest, longest, blocks in _classes(config["dkdv"], T):
         tiles = tile_table(cu_seqlens, T, blocks.n, False, shortest, longest)
+        q_desc, do_desc = _descriptors(blocks, blocks.m, BLOCK_D, q, dout)
         _bwd_dkdv_kernel[(tiles.shape[1], H_kv)](
-            q, k, v, dout, lse, delta, dk, dv, tiles, tiles.shape[1], cu_seqlens, n_docs, T, q.stride(0),
-            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), H // H_kv, left, right,
-            softmax_scale * LOG2E.value, softmax_scale, HEAD_DIM=D, BLOCK_D=_padded_dim(D), BLOCK_M=blocks.m,
-            BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages,
+            q, k, v, dout, lse, delta, dk, dv, q_desc, do_desc, tiles, tiles.shape[1], cu_seqlens, n_docs, T,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
+            dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), H // H_kv, left, right,
+            softmax_scale * LOG2E.value, softmax_scale, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=blocks.m,
+            BLOCK_N=blocks.n, TMA=q_desc is not None, num_warps=blocks.warps,
+            num_stages=blocks.stages,
         )
     return dq, dk, dv

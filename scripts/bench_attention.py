@@ -203,34 +203,33 @@ def tune(head_dims, mixes, heads, tokens) -> list[dict]:
     from kernels.flash_attn import Blocks
 
     default_config = flash_attn.block_config
+    tma = True
     candidates = {
         "fwd": [
             Blocks(64, 32, 4, 3),
-            Blocks(128, 32, 4, 3),
-            Blocks(64, 32, 4, 2),
-            Blocks(64, 32, 8, 3),
-            Blocks(64, 16, 4, 3),
-            Blocks(128, 32, 8, 3),
+            Blocks(64, 64, 4, 3),
+            Blocks(64, 64, 4, 3, tma),
+            Blocks(128, 64, 4, 3, tma),
+            Blocks(64, 128, 4, 3, tma),
+            Blocks(128, 64, 8, 3, tma),
             Blocks(128, 128, 8, 3),
-            Blocks(128, 64, 8, 3),
+            Blocks(128, 128, 8, 3, tma),
         ],
         "dq": [
             Blocks(64, 32, 4, 3),
-            Blocks(64, 32, 4, 2),
-            Blocks(128, 32, 8, 3),
-            Blocks(64, 16, 4, 3),
-            Blocks(128, 64, 8, 3),
-            Blocks(128, 64, 8, 2),
             Blocks(64, 64, 4, 3),
+            Blocks(64, 64, 4, 3, tma),
+            Blocks(128, 64, 8, 3),
+            Blocks(128, 64, 8, 3, tma),
         ],
         "dkdv": [
             Blocks(32, 64, 4, 3),
-            Blocks(32, 64, 4, 2),
-            Blocks(32, 64, 4, 4),
-            Blocks(16, 64, 4, 3),
-            Blocks(32, 32, 4, 3),
+            Blocks(32, 64, 4, 3, tma),
+            Blocks(32, 128, 4, 3),
+            Blocks(32, 128, 4, 3, tma),
+            Blocks(64, 64, 4, 3, tma),
             Blocks(64, 128, 8, 2),
-            Blocks(32, 64, 8, 3),
+            Blocks(64, 128, 8, 2, tma),
         ],
     }
     rows = []
