@@ -234,6 +234,24 @@ def _load_block(
     return _load_rows(base, row0 + tl.arange(0, BLOCK), stride, n_rows, HEAD_DIM, BLOCK_D, CHECK_ROWS)
 
 
+@triton.jit
+def _load_kv(
+    k_desc, v_desc, k_base, v_base, start, k_len, block, kv_head, stride_kt, stride_vt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """Key block `block` of K and of V, for the query-side loops."""
+    k = _load_block(
+        k_desc, k_base, start, k_len, block * BLOCK_N, kv_head, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_N,
+        CHECK_ROWS, TMA,
+    )
+    v = _load_block(
+        v_desc, v_base, start, k_len, block * BLOCK_N, kv_head, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
+        CHECK_ROWS, TMA,
+    )
+    return k, v
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 
@@ -248,13 +266,9 @@ def _fwd_blocks(
     l_i the running sum of exp2(score - m_i), acc the running sum of exp2(score - m_i) * v."""
     for block in range(block_lo, block_hi):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_block(
-            k_desc, k_base, start, k_len, block * BLOCK_N, kv_head, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_N,
-            MASKED, TMA,
-        )
-        v = _load_block(
-            v_desc, v_base, start, k_len, block * BLOCK_N, kv_head, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
-            MASKED, TMA,
+        k, v = _load_kv(
+            k_desc, v_desc, k_base, v_base, start, k_len, block, kv_head, stride_kt, stride_vt, HEAD_DIM,
+            BLOCK_D, BLOCK_N, MASKED, TMA,
         )
         s = tl.dot(q, tl.trans(k))
         if MASKED:
@@ -334,13 +348,9 @@ def _dq_blocks(
     """dQ += dS K over key blocks [block_lo, block_hi), with P = exp2(S - lse) and dS = P (dO V^T - delta)."""
     for block in range(block_lo, block_hi):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_block(
-            k_desc, k_base, start, k_len, block * BLOCK_N, kv_head, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_N,
-            MASKED, TMA,
-        )
-        v = _load_block(
-            v_desc, v_base, start, k_len, block * BLOCK_N, kv_head, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
-            MASKED, TMA,
+        k, v = _load_kv(
+            k_desc, v_desc, k_base, v_base, start, k_len, block, kv_head, stride_kt, stride_vt, HEAD_DIM,
+            BLOCK_D, BLOCK_N, MASKED, TMA,
         )
         s = tl.dot(q, tl.trans(k))
         dp = tl.dot(do, tl.trans(v))  # issued before the exponentials, which it can then overlap
