@@ -63,7 +63,9 @@ Config = dict[str, list[tuple[int | None, Blocks]]]
 
 def block_config(head_dim: int) -> Config:
     """Block sizes of the three kernels: the one place where they are chosen (measured on an H200)."""
-    if INTERPRET:  # small, unequal blocks and two classes, so that small test buffers exercise every path
+    # Interpreter: small, unequal blocks, two classes, TMA in some and pointer loads in others, so that
+    # small test buffers exercise every path.
+    if INTERPRET:
         return {
             "fwd": [(40, Blocks(16, 16, 4, 1, True)), (None, Blocks(32, 16, 4, 1))],
             "dq": [(24, Blocks(16, 32, 4, 1)), (None, Blocks(32, 16, 4, 1, True))],
