@@ -10,6 +10,7 @@ TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forwa
 triton.testing.do_bench; backward alone is torch.autograd.grad over a retained graph. Our times include
 building the tile tables on every call; FlexAttention's block mask and SDPA's padded copies are built
 once outside the timed region (a model builds the mask once per batch for all its layers).
+`sdpa_rows` is the no-mask reference: causal SDPA over whole 2,048-token rows, as nanochat computes.
 """
 
 import argparse
@@ -119,7 +120,26 @@ def _sdpa(backend):
     return method
 
 
-METHODS = {"ours": ours, "flex": flex, "varlen_attn": varlen_attn}
+ROW = 2048  # nanochat's sequence length
+
+
+def sdpa_rows(q, k, v, cu, lengths):
+    """Causal SDPA over rows of ROW tokens of the packed buffer with no document mask, under torch's own
+    backend choice: what nanochat and our `sdpa_packed` backend compute. It attends across documents, so
+    it is a speed reference for the same buffer, not the same function; its TFLOP/s count the same
+    in-document work as every other row, so they compare times."""
+    T, H, D = q.shape
+    if max(lengths) > ROW or T % ROW:
+        raise ValueError(f"needs documents of at most {ROW} tokens in whole rows of {ROW}")
+
+    def fwd(q, k, v):
+        rows = (x.view(T // ROW, ROW, H, D).transpose(1, 2) for x in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(*rows, is_causal=True)
+
+    return fwd, (q, k, v)
+
+
+METHODS = {"ours": ours, "flex": flex, "varlen_attn": varlen_attn, "sdpa_rows": sdpa_rows}
 
 
 def time_method(method, q, k, v, cu, lengths, parts=("fwd", "bwd", "fwd_bwd"), rep_ms=200) -> dict:
