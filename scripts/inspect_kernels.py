@@ -1,0 +1,180 @@
+"""Compile the attention kernels for an NVIDIA architecture on a machine without a GPU, and report what
+the compiler made of them.
+
+    python scripts/inspect_kernels.py [--head-dim 128] [--arch 90] [--kernels fwd dq dkdv] [--dump DIR]
+
+For each kernel and length class of `block_config`: shared memory, registers and spill bytes (from the
+ptxas that ships with triton), the tensor-core instructions (wgmma) and the waits for them (`wait 0`
+lets no product run on past it, `wait n` leaves n groups in flight: only those can overlap the
+exponentials), and how the inner loops get their tiles (TMA or cp.async copies; neither means plain loads
+that stall). The kernels are specialised as a launch on aligned [T, H, D] bf16 tensors specialises them
+(16-byte strides, one query head per K/V head, no gradient on the LSE). Figures are those of the
+installed triton; the GPU machines run triton 3.6 (`pip install --target DIR triton==3.6.0` and put DIR
+first on PYTHONPATH to see theirs). `--json` prints one object per kernel and class instead of a table.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Compile for the GPU, even here: the kernel module otherwise switches to the interpreter without CUDA.
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import flash_attn as fa  # noqa: E402
+
+KERNELS = {"fwd": fa._fwd_kernel, "dq": fa._bwd_dq_kernel, "dkdv": fa._bwd_dkdv_kernel}
+FP32_POINTERS = {"Lse", "dLse", "Delta"}
+INT32_POINTERS = {"tiles", "cu_seqlens"}
+BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV"}
+# Integer arguments that a launch on aligned tensors sees as multiples of 16 (and specialises on).
+ALIGNED_INTS = {"T", "left", "right"}
+
+
+def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
+    """(signature, constexprs, attrs) of a launch like the one in kernels.flash_attn."""
+    block_d = fa._padded_dim(head_dim)
+    # The forward and dQ pass stream key blocks (n rows); the dK/dV pass streams query blocks (m rows).
+    desc_rows = blocks.m if kernel == "dkdv" else blocks.n
+    constants = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=blocks.m,
+        BLOCK_N=blocks.n,
+        TMA=blocks.tma,
+        HAS_DLSE=False,
+        group=1,
+    )
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constants:
+            sig[name], constexprs[(i,)] = "constexpr", constants[name]
+        elif name.endswith("_desc"):
+            if blocks.tma:
+                sig[name] = f"tensordesc<bf16[1, 1, {desc_rows}, 1, {block_d}]>"
+            else:
+                sig[name], constexprs[(i,)] = "constexpr", None
+        elif name in BF16_POINTERS | FP32_POINTERS | INT32_POINTERS:
+            sig[name] = "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS else "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("qk_scale", "sm_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride") or name in ALIGNED_INTS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, constexprs, attrs
+
+
+def ptxas_report(ptx: str, arch: int) -> dict:
+    """Registers, spill bytes and performance warnings of ptxas -v."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "kernel.ptx")
+        src.write_text(ptx)
+        suffix = "a" if arch >= 90 else ""
+        out = subprocess.run(
+            [
+                get_ptxas(arch).path,
+                f"-arch=sm_{arch}{suffix}",
+                "-v",
+                str(src),
+                "-o",
+                str(Path(tmp, "k.cubin")),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    registers = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores", out)
+    warnings = sorted(set(re.findall(r"\((C\d+)\) ([^\n]*?) in the function", out)))
+    return dict(
+        registers=int(registers.group(1)) if registers else None,
+        spill_bytes=int(spills.group(1)) if spills else 0,
+        warnings=[f"{code}: {text}" for code, text in warnings],
+    )
+
+
+def inspect_kernel(
+    kernel: str, head_dim: int, blocks: fa.Blocks, arch: int, dump: Path | None = None
+) -> dict:
+    fn = KERNELS[kernel]
+    sig, constexprs, attrs = signature(kernel, fn, head_dim, blocks)
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=blocks.warps, num_stages=blocks.stages),
+    )
+    ptx = compiled.asm["ptx"]
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        stem = f"{kernel}_d{head_dim}_{blocks.m}x{blocks.n}_w{blocks.warps}_s{blocks.stages}" + (
+            "_tma" if blocks.tma else ""
+        )
+        for key in ("ttgir", "ptx"):
+            (dump / f"{stem}.{key}").write_text(compiled.asm[key])
+    waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)]
+    return dict(
+        kernel=kernel,
+        blocks=blocks,
+        shared_kb=compiled.metadata.shared / 1024,
+        wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+        waits_for_all=waits.count(0),
+        waits_partial=len(waits) - waits.count(0),
+        tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        cp_async_loads=len(re.findall(r"cp\.async\.c[ag]\.", ptx)),
+        **ptxas_report(ptx, arch),
+    )
+
+
+def format_row(row: dict, longest: int | None) -> str:
+    b = row["blocks"]
+    blocks = f"{b.m}x{b.n} w{b.warps} s{b.stages}" + (" tma" if b.tma else "")
+    return (
+        f"{row['kernel']:<5} {('<= ' + str(longest)) if longest else 'longer':<8} {blocks:<18} "
+        f"{row['shared_kb']:7.1f} {row['registers'] or '?':>5} {row['spill_bytes']:>6} {row['wgmma']:>6} "
+        f"{row['waits_for_all']:>6} {row['waits_partial']:>6} {row['tma_loads']:>5} "
+        f"{row['cp_async_loads']:>6}"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
+    parser.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=["fwd", "dq", "dkdv"])
+    parser.add_argument("--dump", type=Path, help="write each kernel's TTGIR and PTX here")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    args = parser.parse_args()
+
+    config = fa.block_config(args.head_dim)
+    if not args.json:
+        print(f"triton {triton.__version__}, sm_{args.arch}, head dim {args.head_dim}")
+        print(
+            f"{'pass':<5} {'class':<8} {'blocks':<18} {'smem KB':>7} {'regs':>5} {'spills':>6} {'wgmma':>6} "
+            f"{'wait 0':>6} {'wait n':>6} {'tma':>5} {'cp.async':>6}"
+        )
+    for kernel in args.kernels:
+        for longest, blocks in config[kernel]:
+            row = inspect_kernel(kernel, args.head_dim, blocks, args.arch, args.dump)
+            if args.json:
+                print(json.dumps({**row, "blocks": blocks._asdict(), "longest": longest}))
+                continue
+            print(format_row(row, longest))
+            for warning in row["warnings"]:
+                print(f"      ptxas {warning}")
+
+
+if __name__ == "__main__":
+    main()
