@@ -188,7 +188,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def token_losses(self, input_ids, position_ids, cu_seqlens, max_seqlen: int, targets) -> torch.Tensor:
-        """Per-position loss in nats (0 where targets < 0), computed as the training loss is."""
+        """Per-position loss in nats (0 where targets < 0), by the training loss's formula in PyTorch."""
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
         w = self.lm_head.weight[: self.shape.vocab_size].to(h.dtype)
         chunk, out = self.loss_chunk_tokens, []
@@ -223,14 +223,22 @@ def chunk_losses(h, w, targets, cap: float):
     return capped, is_target, lse, torch.where(targets >= 0, lse - target_logit, 0.0)
 
 
+def fused_chunk_loss(logits, targets, scale, cap: float):
+    """Losses and scaled gradient of a chunk in one Triton pass (imported here: CPU runs need no Triton)."""
+    from kernels.cross_entropy import softcap_cross_entropy
+
+    return softcap_cross_entropy(logits, targets, scale, cap)
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Head matmul + soft-cap + cross-entropy, `chunk` tokens at a time.
 
     The logits of the whole buffer ([T, V]: 4.3 GB in bf16 at T=65,536, V=32,768) never exist at once: each
     chunk's gradient with respect to h and to the head weight is computed in the forward pass, right after
-    its loss, and the backward only scales the stored gradients. Per chunk, compiled, the logits are read
-    twice (log-sum-exp, then the gradient) and the gradient is written once, in h's dtype: no [chunk, V]
-    tensor in fp32.
+    its loss, and the backward only scales the stored gradients. On CUDA one Triton kernel per chunk
+    computes the losses and writes the logits' gradient in h's dtype (kernels/cross_entropy.py). Elsewhere
+    the same math runs compiled from PyTorch in two passes over the logits (log-sum-exp, then the
+    gradient), also without a [chunk, V] tensor in fp32.
     """
 
     @staticmethod
@@ -240,16 +248,20 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, device=h.device, dtype=loss.dtype)
+        fused = h.is_cuda and h.dtype != torch.float64  # the kernel computes in fp32
         for start in range(0, h.shape[0], chunk):
             hc, tc = h[start : start + chunk], targets[start : start + chunk]
-            capped, is_target, lse, losses = chunk_losses(hc, w, tc, cap)
+            if fused:
+                losses, grad = fused_chunk_loss(hc @ w.t(), tc, 1.0 / n_valid.float(), max(cap, 0.0))
+            else:
+                capped, is_target, lse, losses = chunk_losses(hc, w, tc, cap)
+                # d(loss)/d(capped) = softmax - onehot(target), then through the soft-cap's tanh; valid
+                # rows only, over n_valid. One pointwise expression, so the compiler fuses it into one pass.
+                grad = torch.exp(capped - lse[:, None]) - is_target.to(capped.dtype)
+                if cap > 0:
+                    grad = grad * (1.0 - (capped / cap).square())
+                grad = (grad * ((tc >= 0).to(grad.dtype) / n_valid)[:, None]).to(h.dtype)
             loss = loss + losses.sum()
-            # d(loss)/d(capped) = softmax - onehot(target), then through the soft-cap's tanh; valid rows
-            # only, over n_valid. One pointwise expression, so the compiler fuses it into one pass.
-            grad = torch.exp(capped - lse[:, None]) - is_target.to(capped.dtype)
-            if cap > 0:
-                grad = grad * (1.0 - (capped / cap).square())
-            grad = (grad * ((tc >= 0).to(grad.dtype) / n_valid)[:, None]).to(h.dtype)
             grad_h[start : start + chunk] = grad @ w
             grad_w[:vocab_size] += grad.t() @ hc
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))

@@ -1,0 +1,77 @@
+"""The fused soft-capped cross-entropy kernel (kernels/cross_entropy.py) against float64 autograd.
+
+Without CUDA it runs in Triton's interpreter; the kernel has no tl.dot, so bf16 works there too. The
+GPU build of the same kernel is checked at training sizes in tests/test_kernels_gpu.py.
+"""
+
+import pytest
+import torch
+
+from kernels.cross_entropy import softcap_cross_entropy
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Relative error of the losses and of the gradient (L2) against float64: the inputs are rounded to the
+# dtype first, so this is the kernel's own error plus the rounding of the gradient it writes.
+# On the GPU tanh is PTX's tanh.approx (see the kernel's docstring), which shows in fp32.
+TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def reference(logits, targets, scale: float, cap: float):
+    """Per-row losses and d(scale * sum(losses)) / d(logits) in float64, by autograd."""
+    z = logits.double().detach().requires_grad_()
+    c = cap * torch.tanh(z / cap) if cap > 0 else z
+    valid = targets >= 0
+    picked = c.gather(1, targets.clamp_min(0)[:, None])[:, 0]
+    losses = torch.where(valid, torch.logsumexp(c, 1) - picked, 0.0)
+    (scale * losses.sum()).backward()
+    return losses.detach(), z.grad
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("n", "V", "cap", "spread"),
+    [
+        (33, 97, 15.0, 4.0),
+        (16, 256, 15.0, 60.0),
+        (20, 300, 0.0, 30.0),
+        (8, 1000, 30.0, 10.0),
+        (9, 5000, 100.0, 80.0),
+    ],
+)
+def test_losses_and_gradient_match_float64(dtype, n, V, cap, spread):
+    gen = torch.Generator().manual_seed(V)
+    logits = (torch.randn(n, V, generator=gen) * spread).to(dtype)
+    targets = torch.randint(0, V, (n,), generator=gen)
+    targets[::3] = -1
+    targets[1] = V - 1  # the last column, next to the padding of the row's block
+    scale = 1.0 / 7
+    losses, grad = softcap_cross_entropy(
+        logits.to(DEVICE), targets.to(DEVICE), torch.tensor(scale, device=DEVICE), cap
+    )
+    ref_losses, ref_grad = reference(logits, targets, scale, cap)
+    assert losses.dtype == torch.float32 and grad.dtype == dtype and grad.shape == logits.shape
+    assert rel_err(losses.cpu(), ref_losses) < TOL[torch.float32]
+    assert rel_err(grad.cpu(), ref_grad) < TOL[dtype]
+    assert (losses.cpu()[targets < 0] == 0).all() and (grad.cpu()[targets < 0] == 0).all()
+
+
+def test_strided_rows_and_empty_input():
+    logits = torch.randn(12, 2, 64)[:, 0]  # rows 128 elements apart
+    targets = torch.randint(0, 64, (12,))
+    losses, grad = softcap_cross_entropy(
+        logits.to(DEVICE), targets.to(DEVICE), torch.tensor(1.0, device=DEVICE), 15.0
+    )
+    ref_losses, ref_grad = reference(logits, targets, 1.0, 15.0)
+    assert rel_err(losses.cpu(), ref_losses) < TOL[torch.float32]
+    assert rel_err(grad.cpu(), ref_grad) < TOL[torch.float32]
+    losses, grad = softcap_cross_entropy(
+        torch.empty(0, 64, device=DEVICE),
+        torch.empty(0, dtype=torch.long, device=DEVICE),
+        torch.tensor(1.0, device=DEVICE),
+        15.0,
+    )
+    assert losses.shape == (0,) and grad.shape == (0, 64)
