@@ -237,21 +237,19 @@ def _load_block(
 
 
 @triton.jit
-def _load_kv(
-    k_desc, v_desc, k_base, v_base, start, k_len, block, kv_head, stride_kt, stride_vt,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHECK_ROWS: tl.constexpr,
-    TMA: tl.constexpr,
+def _load_pair(
+    a_desc, b_desc, a_base, b_base, start, n_rows, block, head, stride_a, stride_b, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Key block `block` of K and of V, for the query-side loops."""
-    k = _load_block(
-        k_desc, k_base, start, k_len, block * BLOCK_N, kv_head, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_N,
-        CHECK_ROWS, TMA,
+    """Block `block` of two tensors the inner loops stream together: K and V, or Q and dO."""
+    row0 = block * BLOCK
+    a = _load_block(
+        a_desc, a_base, start, n_rows, row0, head, stride_a, HEAD_DIM, BLOCK_D, BLOCK, CHECK_ROWS, TMA
     )
-    v = _load_block(
-        v_desc, v_base, start, k_len, block * BLOCK_N, kv_head, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
-        CHECK_ROWS, TMA,
+    b = _load_block(
+        b_desc, b_base, start, n_rows, row0, head, stride_b, HEAD_DIM, BLOCK_D, BLOCK, CHECK_ROWS, TMA
     )
-    return k, v
+    return a, b
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -268,7 +266,7 @@ def _fwd_blocks(
     l_i the running sum of exp2(score - m_i), acc the running sum of exp2(score - m_i) * v."""
     for block in range(block_lo, block_hi):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(
+        k, v = _load_pair(
             k_desc, v_desc, k_base, v_base, start, k_len, block, kv_head, stride_kt, stride_vt, HEAD_DIM,
             BLOCK_D, BLOCK_N, MASKED, TMA,
         )
@@ -350,7 +348,7 @@ def _dq_blocks(
     """dQ += dS K over key blocks [block_lo, block_hi), with P = exp2(S - lse) and dS = P (dO V^T - delta)."""
     for block in range(block_lo, block_hi):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(
+        k, v = _load_pair(
             k_desc, v_desc, k_base, v_base, start, k_len, block, kv_head, stride_kt, stride_vt, HEAD_DIM,
             BLOCK_D, BLOCK_N, MASKED, TMA,
         )
@@ -429,13 +427,9 @@ def _dkdv_blocks(
     ([keys, queries]) so that the key rows of this program stay the row dimension."""
     for block in range(block_lo, block_hi):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        q = _load_block(
-            q_desc, q_base, start, q_len, block * BLOCK_M, head, stride_qt, HEAD_DIM, BLOCK_D, BLOCK_M,
-            MASKED, TMA,
-        )
-        do = _load_block(
-            do_desc, do_base, start, q_len, block * BLOCK_M, head, stride_dot, HEAD_DIM, BLOCK_D, BLOCK_M,
-            MASKED, TMA,
+        q, do = _load_pair(
+            q_desc, do_desc, q_base, do_base, start, q_len, block, head, stride_qt, stride_dot, HEAD_DIM,
+            BLOCK_D, BLOCK_M, MASKED, TMA,
         )
         if MASKED:
             lse = tl.load(lse_base + rows, mask=rows < q_len, other=0.0) * LOG2E
