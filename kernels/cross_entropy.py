@@ -6,27 +6,28 @@ For each row z of raw logits (one token) and its target t, with capped logits c 
     grad = scale * (softmax(c) - onehot(t)) * (1 - (c / cap)^2)     (d(scale * loss) / dz; 0 where t < 0)
 
 One program per row loops over the row twice: the log-sum-exp and the target's logit, then the gradient
-(the second read follows the first within the program, so part of it can come from L2). On the GPU tanh
-is PTX's tanh.approx.f32, one special-function instruction: with exp2 that makes two per logit and pass,
-where an accurate tanh made the kernel bound by those units (the compiled PyTorch formulation of
-model/gpt.py, the CPU path, takes 0.68 ms per 8,192 x 32,768 bf16 chunk on an H200, this kernel 0.43 ms).
-tanh.approx's relative error is at most 2^-10.99: near the cap that is below the bf16 rounding of the
-logits it is applied to; on a bf16 chunk the losses moved by 3e-7 (relative) against an accurate tanh. The
-interpreter cannot run PTX, so there tanh comes from exp2 and a division.
+(the second read follows the first within the program, so part of it can come from L2; without a cap, or
+with one above 50, a first pass finds the row's max). On NVIDIA GPUs tanh is PTX's tanh.approx.f32, one
+special-function instruction: with exp2 that makes two per logit and pass, where an accurate tanh made
+the kernel bound by those units (the compiled PyTorch formulation of model/gpt.py, the CPU path, takes
+0.68 ms per 8,192 x 32,768 bf16 chunk on an H200, this kernel 0.43 ms). PTX bounds tanh.approx's relative
+error by 2^-10.99; on a bf16 chunk the losses moved by 3e-7 (relative) and the gradient by at most 1.5e-8
+(of values up to 1.2e-4) against the accurate formulation. The interpreter cannot run PTX, so there (and
+on ROCm) tanh comes from exp2 and a division.
 """
 
-import os
-from typing import NamedTuple
+from typing import NamedTuple  # noqa: I001 (kernels.flash_attn must come before triton)
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # see kernels/flash_attn.py
+# Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
+from kernels.flash_attn import INTERPRET, check_interpreter
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# PTX's tanh: compiled code on NVIDIA GPUs only.
+PTX_TANH = not INTERPRET and torch.version.hip is None
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -113,6 +114,7 @@ def softcap_cross_entropy(
     """(losses [n] float32, grad [n, V] in logits' dtype) for logits [n, V] (last dim contiguous),
     targets [n] (int, < 0 for none), scale a 0-d float32 tensor (on the device: no host sync) and
     cap > 0, or 0 for no soft-cap. See the module docstring."""
+    check_interpreter()
     n, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -122,7 +124,7 @@ def softcap_cross_entropy(
     if n:
         _softcap_ce_kernel[(n,)](
             logits, grad, targets, losses, scale, logits.stride(0), grad.stride(0), V, cap, CAP=cap > 0,
-            ROW_MAX=not 0 < cap <= 50, PTX=not INTERPRET, BLOCK_V=blocks.cols, num_warps=blocks.warps,
+            ROW_MAX=not 0 < cap <= 50, PTX=PTX_TANH, BLOCK_V=blocks.cols, num_warps=blocks.warps,
         )
     return losses, grad
 

@@ -516,12 +516,17 @@ def _padded_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _check_launch(*tensors: torch.Tensor) -> None:
+def check_interpreter() -> None:
+    """Refuse to launch in the interpreter when triton's library was set up without it."""
     if INTERPRET and not _LIBRARY_INTERPRETED:
         raise RuntimeError(
-            "triton was imported before kernels.flash_attn without TRITON_INTERPRET=1, so its "
+            "triton was imported before the kernels module without TRITON_INTERPRET=1, so its "
             "library cannot run in the interpreter: set TRITON_INTERPRET=1 in the environment"
         )
+
+
+def _check_launch(*tensors: torch.Tensor) -> None:
+    check_interpreter()
     # Offsets within a document are int32 (cheaper address arithmetic); the document start is int64.
     if any(x.shape[0] * x.stride(0) >= 2**31 for x in tensors):
         raise ValueError("a token offset times the token stride must stay below 2**31")

@@ -59,8 +59,9 @@ def test_losses_and_gradient_match_float64(dtype, n, V, cap, spread):
     assert (losses.cpu()[targets < 0] == 0).all() and (grad.cpu()[targets < 0] == 0).all()
 
 
-def test_strided_rows_and_empty_input():
-    logits = torch.randn(12, 2, 64)[:, 0]  # rows 128 elements apart
+@pytest.mark.parametrize("layout", ["rows 128 apart", "columns 2 apart"])
+def test_strided_logits_and_empty_input(layout):
+    logits = torch.randn(12, 2, 64)[:, 0] if layout == "rows 128 apart" else torch.randn(12, 64, 2)[..., 0]
     targets = torch.randint(0, 64, (12,))
     losses, grad = softcap_cross_entropy(
         logits.to(DEVICE), targets.to(DEVICE), torch.tensor(1.0, device=DEVICE), 15.0
