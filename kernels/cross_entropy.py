@@ -21,16 +21,13 @@ from typing import NamedTuple  # noqa: I001 (kernels.flash_attn must come before
 import torch
 
 # Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
-from kernels.flash_attn import INTERPRET, check_interpreter
+from kernels.flash_attn import INTERPRET, LOG2E, check_interpreter
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 # PTX's tanh: compiled code on NVIDIA GPUs only.
 PTX_TANH = not INTERPRET and torch.version.hip is None
-
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-
 
 class RowBlocks(NamedTuple):
     cols: int  # logits per loop step

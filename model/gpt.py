@@ -249,10 +249,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, device=h.device, dtype=loss.dtype)
         fused = h.is_cuda and h.dtype != torch.float64  # the kernel computes in fp32
+        inv_valid = 1.0 / n_valid.float()
         for start in range(0, h.shape[0], chunk):
             hc, tc = h[start : start + chunk], targets[start : start + chunk]
             if fused:
-                losses, grad = fused_chunk_loss(hc @ w.t(), tc, 1.0 / n_valid.float(), max(cap, 0.0))
+                losses, grad = fused_chunk_loss(hc @ w.t(), tc, inv_valid, max(cap, 0.0))
             else:
                 capped, is_target, lse, losses = chunk_losses(hc, w, tc, cap)
                 # d(loss)/d(capped) = softmax - onehot(target), then through the soft-cap's tanh; valid
