@@ -57,12 +57,14 @@ class Blocks(NamedTuple):
 
 # Per kernel, (longest document, blocks) classes in increasing length; None is unbounded. Each class is
 # one launch over the documents of its lengths: small blocks waste less on the masked diagonal of short
-# documents, large ones reuse more of each load on long ones.
-Config = dict[str, list[tuple[int | None, Blocks]]]
+# documents, large ones reuse more of each load on long ones. "dq_stored" (optional) is the dQ pass that
+# reads the dS stored by the first dK/dV class (see `backward`): its key blocks are that class's, and its
+# query blocks a multiple of that class's, no larger than its key blocks.
+Config = dict[str, list[tuple[int | None, Blocks]] | Blocks]
 
 
 def block_config(head_dim: int) -> Config:
-    """Block sizes of the three kernels: the one place where they are chosen (measured on an H200)."""
+    """Block sizes of the kernels: the one place where they are chosen (measured on an H200)."""
     # Interpreter: small, unequal blocks, two classes, TMA in some and pointer loads in others, so that
     # small test buffers exercise every path.
     if INTERPRET:
@@ -70,6 +72,7 @@ def block_config(head_dim: int) -> Config:
             "fwd": [(40, Blocks(16, 16, 4, 1, True)), (None, Blocks(32, 16, 4, 1))],
             "dq": [(24, Blocks(16, 32, 4, 1)), (None, Blocks(32, 16, 4, 1, True))],
             "dkdv": [(56, Blocks(16, 32, 4, 1, True)), (None, Blocks(32, 16, 4, 1))],
+            "dq_stored": Blocks(32, 32, 4, 1),
         }
     if head_dim <= 64:
         return {
@@ -82,6 +85,7 @@ def block_config(head_dim: int) -> Config:
             "fwd": [(2048, Blocks(64, 64, 4, 3, True)), (None, Blocks(128, 128, 8, 3, True))],
             "dq": [(None, Blocks(128, 64, 8, 3))],
             "dkdv": [(2048, Blocks(32, 64, 4, 3, True)), (None, Blocks(64, 128, 8, 2))],
+            "dq_stored": Blocks(64, 64, 4, 3),
         }
     return {
         "fwd": [(None, Blocks(64, 64, 4, 2))], "dq": [(None, Blocks(64, 32, 4, 2))],
@@ -420,11 +424,13 @@ def _bwd_dq_kernel(
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, q_desc, do_desc, q_base, do_base, start, head, lse_base, delta_base, stride_qt, stride_dot,
-    cols, q_len, k_len, left, right, qk_scale, block_lo, block_hi, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
+    cols, q_len, k_len, left, right, qk_scale, block_lo, block_hi, ds_base, first_block,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr,
 ):
     """dV += P^T dO and dK += dS^T Q over query blocks [block_lo, block_hi), computed transposed
-    ([keys, queries]) so that the key rows of this program stay the row dimension."""
+    ([keys, queries]) so that the key rows of this program stay the row dimension. With STORE_DS, each
+    block's dS is also written, query-major, to slot (block - first_block) from ds_base on."""
     for block in range(block_lo, block_hi):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         q, do = _load_pair(
@@ -443,17 +449,21 @@ def _dkdv_blocks(
         if MASKED:
             p_t = tl.where(_visible(rows[None, :], cols[:, None], q_len, k_len, left, right), p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk)
+        if STORE_DS:
+            tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(ds_base + (block - first_block) * (BLOCK_M * BLOCK_N) + tile, tl.trans(ds_t))
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, q_desc, do_desc, tiles, n_tiles, cu_seqlens, n_docs, T, stride_qt,
-    stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh,
-    stride_dvt, stride_dvh, group, left, right, qk_scale, sm_scale, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+    Q, K, V, dOut, Lse, Delta, dK, dV, DS, DocSlots, q_desc, do_desc, tiles, n_tiles, cu_seqlens, n_docs, T,
+    n_slots, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, group, left, right, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, STORE_DS: tl.constexpr,
 ):
     segment, block, first, k_len, q_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
     if segment < 0:
@@ -473,25 +483,29 @@ def _bwd_dkdv_kernel(
 
     # Key j is seen by queries [j - right, j + left]: the forward's ranges with the window mirrored.
     lo, full_lo, full_hi, hi = _block_range(c0, tl.minimum(c0 + BLOCK_N, k_len), q_len, right, left, BLOCK_M)
+    slot0 = 0
+    if STORE_DS:
+        slot0 = _ds_slot(DocSlots, segment, block, q_len, BLOCK_M, BLOCK_N)
     for head in range(kv_head * group, (kv_head + 1) * group):
         q_base = Q + start * stride_qt + head * stride_qh
         do_base = dOut + start * stride_dot + head * stride_doh
         lse_base = Lse + head * T + start
         delta_base = Delta + head * T + start
+        ds_base = DS + (head * n_slots + slot0).to(tl.int64) * (BLOCK_M * BLOCK_N)
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, q_desc, do_desc, q_base, do_base, first, head, lse_base, delta_base, stride_qt,
-            stride_dot, cols, q_len, k_len, left, right, qk_scale, lo, full_lo, HEAD_DIM, BLOCK_D, BLOCK_M,
-            True, TMA,
+            stride_dot, cols, q_len, k_len, left, right, qk_scale, lo, full_lo, ds_base, lo, HEAD_DIM,
+            BLOCK_D, BLOCK_M, BLOCK_N, True, TMA, STORE_DS,
         )
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, q_desc, do_desc, q_base, do_base, first, head, lse_base, delta_base, stride_qt,
-            stride_dot, cols, q_len, k_len, left, right, qk_scale, full_lo, full_hi, HEAD_DIM, BLOCK_D,
-            BLOCK_M, False, TMA,
+            stride_dot, cols, q_len, k_len, left, right, qk_scale, full_lo, full_hi, ds_base, lo, HEAD_DIM,
+            BLOCK_D, BLOCK_M, BLOCK_N, False, TMA, STORE_DS,
         )
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, q_desc, do_desc, q_base, do_base, first, head, lse_base, delta_base, stride_qt,
-            stride_dot, cols, q_len, k_len, left, right, qk_scale, full_hi, hi, HEAD_DIM, BLOCK_D, BLOCK_M,
-            True, TMA,
+            stride_dot, cols, q_len, k_len, left, right, qk_scale, full_hi, hi, ds_base, lo, HEAD_DIM,
+            BLOCK_D, BLOCK_M, BLOCK_N, True, TMA, STORE_DS,
         )
     _store_rows(
         dK + start * stride_dkt + kv_head * stride_dkh, cols, stride_dkt, k_len,
@@ -500,6 +514,72 @@ def _bwd_dkdv_kernel(
     _store_rows(
         dV + start * stride_dvt + kv_head * stride_dvh, cols, stride_dvt, k_len, dv.to(dV.dtype.element_ty),
         HEAD_DIM, BLOCK_D,
+    )
+
+
+@triton.jit
+def _ds_slot(DocSlots, segment, block, q_len, BM_KV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """First dS slot of key block `block` of a document. Under a causal mask with the whole past visible,
+    key block b is seen by query blocks b R .. n_q - 1 (R = BLOCK_N / BM_KV), so it writes n_q - b R slots,
+    and the document's key blocks before it wrote b n_q - R b (b - 1) / 2."""
+    n_q = tl.cdiv(q_len, BM_KV)
+    r = BLOCK_N // BM_KV
+    return tl.load(DocSlots + segment) + block * n_q - r * block * (block - 1) // 2
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    Out, dOut, dLse, Delta, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, stride_oh, stride_dot,
+    stride_doh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """delta = rowsum(dO * O) - dlse, for the documents whose dQ pass runs after the dK/dV pass."""
+    segment, block, first, length, _ = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
+    if segment < 0:
+        return
+    head = tl.program_id(1)
+    start = first.to(tl.int64)
+    rows = block * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < length
+    do = _load_rows(
+        dOut + start * stride_dot + head * stride_doh, rows, stride_dot, length, HEAD_DIM, BLOCK_D, True
+    )
+    o = _load_rows(
+        Out + start * stride_ot + head * stride_oh, rows, stride_ot, length, HEAD_DIM, BLOCK_D, True
+    )
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dLse + head * T + start + rows, mask=row_ok, other=0.0)
+    tl.store(Delta + head * T + start + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dq_stored_kernel(
+    K, DS, DocSlots, dQ, tiles, n_tiles, cu_seqlens, n_docs, T, n_slots, stride_kt, stride_kh, stride_dqt,
+    stride_dqh, group, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BM_KV: tl.constexpr,
+):
+    """dQ = sum over key blocks of dS K, with dS as the dK/dV pass stored it: one matrix product per block
+    pair instead of three. This query block's rows are BLOCK_M / BM_KV consecutive slots of each key block."""
+    segment, block, first, q_len, k_len = _segment(tiles, n_tiles, cu_seqlens, n_docs, T)
+    if segment < 0:
+        return
+    head = tl.program_id(1)
+    kv_head = head // group
+    start = first.to(tl.int64)
+    k_base = K + start * stride_kt + kv_head * stride_kh
+    r0 = block * BLOCK_M
+    rows = r0 + tl.arange(0, BLOCK_M)
+    tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for kb in range(0, tl.cdiv(tl.minimum(r0 + BLOCK_M, k_len), BLOCK_N)):
+        cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, cols, stride_kt, k_len, HEAD_DIM, BLOCK_D, True)
+        slot = _ds_slot(DocSlots, segment, kb, q_len, BM_KV, BLOCK_N) + r0 // BM_KV - kb * (BLOCK_N // BM_KV)
+        ds = tl.load(DS + (head * n_slots + slot).to(tl.int64) * (BM_KV * BLOCK_N) + tile)
+        dq = tl.dot(ds, k, dq)
+    _store_rows(
+        dQ + start * stride_dqt + head * stride_dqh, rows, stride_dqt, q_len,
+        (dq * sm_scale).to(dQ.dtype.element_ty), HEAD_DIM, BLOCK_D,
     )
 
 
@@ -564,10 +644,29 @@ def forward(q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_sc
     return out, lse
 
 
+def _ds_slots(cu_seqlens: torch.Tensor, T: int, longest: int, bm: int, bn: int) -> tuple[torch.Tensor, int]:
+    """First dS slot of each document of at most `longest` tokens (int32 [N + 1]), and a number of slots
+    that no such set of documents in T tokens exceeds.
+
+    A document of L tokens takes sum over its key blocks b of cdiv(L - b bn, bm) <= (L - b bn) / bm + 1
+    slots, which is at most L / bn + 1 + (L^2 / (2 bn) + L) / bm; summed over documents with sum L <= T and
+    L <= longest, that is below longest T / (2 bm bn) + T / bn + T / bm + N."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    n_q, n_k = (lengths + bm - 1) // bm, (lengths + bn - 1) // bn
+    slots = torch.where(lengths <= longest, n_k * n_q - (bn // bm) * n_k * (n_k - 1) // 2, 0)
+    first = torch.cumsum(torch.cat([slots.new_zeros(1), slots]), 0).to(torch.int32)
+    return first, longest * T // (2 * bm * bn) + T // bn + T // bm + lengths.numel() + 1
+
+
 def backward(
     dout, q, k, v, out, lse, dlse, cu_seqlens, window_left: int, window_right: int, softmax_scale: float
 ):
-    """(dq, dk, dv) shaped like (q, k, v). dlse, the gradient on lse, may be None."""
+    """(dq, dk, dv) shaped like (q, k, v). dlse, the gradient on lse, may be None.
+
+    Causal attention over the whole past (flash-attn's default) takes the short documents' dQ from the dS
+    that their dK/dV pass stores (bf16, about longest * T * H / 2 values for documents of up to `longest`
+    tokens, the first dK/dV length class), instead of recomputing S and dP in a pass of its own. Other
+    windows, and longer documents, take the recomputing dQ pass."""
     T, H, D = q.shape
     H_kv = k.shape[1]
     _check_launch(dout, q, k, v, out)
@@ -580,7 +679,31 @@ def backward(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty_like(lse)
 
+    stored_longest, store_blocks = config["dkdv"][0]
+    store = "dq_stored" in config and stored_longest is not None and right == 0 and left >= stored_longest
+    recompute_above = stored_longest if store else 0
+    ds, doc_slots, n_slots = dq, cu_seqlens, 0
+    if store:
+        doc_slots, n_slots = _ds_slots(cu_seqlens, T, stored_longest, store_blocks.m, store_blocks.n)
+        dq_blocks = config["dq_stored"]
+        if dq_blocks.n != store_blocks.n or dq_blocks.m % store_blocks.m or dq_blocks.m > store_blocks.n:
+            raise ValueError(f"dq_stored {dq_blocks} does not fit the dS tiles of {store_blocks}")
+        # The last query block of a document reads dq_blocks.m / m slots from its first one on.
+        ds = torch.empty(
+            (H * n_slots + dq_blocks.m // store_blocks.m, store_blocks.m, store_blocks.n), dtype=q.dtype,
+            device=q.device,
+        )
+        tiles = tile_table(cu_seqlens, T, 64, False, 0, stored_longest)
+        _bwd_delta_kernel[(tiles.shape[1], H)](
+            out, dout, dlse, delta, tiles, tiles.shape[1], cu_seqlens, n_docs, T, out.stride(0),
+            out.stride(1), dout.stride(0), dout.stride(1), HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK=64,
+            HAS_DLSE=dlse is not None,
+        )
+
     for shortest, longest, blocks in _classes(config["dq"], T):
+        shortest = max(shortest, recompute_above)
+        if shortest >= longest:
+            continue
         tiles = tile_table(cu_seqlens, T, blocks.m, True, shortest, longest)
         k_desc, v_desc = _descriptors(blocks, blocks.n, BLOCK_D, k, v)
         _bwd_dq_kernel[(tiles.shape[1], H)](
@@ -596,11 +719,19 @@ def backward(
         tiles = tile_table(cu_seqlens, T, blocks.n, False, shortest, longest)
         q_desc, do_desc = _descriptors(blocks, blocks.m, BLOCK_D, q, dout)
         _bwd_dkdv_kernel[(tiles.shape[1], H_kv)](
-            q, k, v, dout, lse, delta, dk, dv, q_desc, do_desc, tiles, tiles.shape[1], cu_seqlens, n_docs, T,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
-            dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), H // H_kv, left, right,
-            softmax_scale * LOG2E.value, softmax_scale, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=blocks.m,
-            BLOCK_N=blocks.n, TMA=q_desc is not None, num_warps=blocks.warps,
-            num_stages=blocks.stages,
+            q, k, v, dout, lse, delta, dk, dv, ds, doc_slots, q_desc, do_desc, tiles, tiles.shape[1],
+            cu_seqlens, n_docs, T, n_slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
+            dv.stride(1), H // H_kv, left, right, softmax_scale * LOG2E.value, softmax_scale, HEAD_DIM=D,
+            BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=blocks.n, TMA=q_desc is not None,
+            STORE_DS=store and shortest == 0, num_warps=blocks.warps, num_stages=blocks.stages,
+        )
+    if store:
+        tiles = tile_table(cu_seqlens, T, dq_blocks.m, True, 0, stored_longest)
+        _bwd_dq_stored_kernel[(tiles.shape[1], H)](
+            k, ds, doc_slots, dq, tiles, tiles.shape[1], cu_seqlens, n_docs, T, n_slots, k.stride(0),
+            k.stride(1), dq.stride(0), dq.stride(1), H // H_kv, softmax_scale, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+            BLOCK_M=dq_blocks.m, BLOCK_N=store_blocks.n, BM_KV=store_blocks.m, num_warps=dq_blocks.warps,
+            num_stages=dq_blocks.stages,
         )
     return dq, dk, dv

@@ -1,7 +1,7 @@
 """Compile the attention kernels for an NVIDIA architecture on a machine without a GPU, and report what
 the compiler made of them.
 
-    python scripts/inspect_kernels.py [--head-dim 128] [--arch 90] [--kernels fwd dq dkdv] [--dump DIR]
+    python scripts/inspect_kernels.py [--head-dim 128] [--arch 90] [--kernels ...] [--dump DIR]
 
 For each kernel and length class of `block_config`: shared memory, registers and spill bytes (from the
 ptxas that ships with triton), the tensor-core instructions (wgmma) and the waits for them (`wait 0`
@@ -34,10 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import flash_attn as fa  # noqa: E402
 
-KERNELS = {"fwd": fa._fwd_kernel, "dq": fa._bwd_dq_kernel, "dkdv": fa._bwd_dkdv_kernel}
+KERNELS = {
+    "fwd": fa._fwd_kernel,
+    "dq": fa._bwd_dq_kernel,
+    "dkdv": fa._bwd_dkdv_kernel,
+    "dq_stored": fa._bwd_dq_stored_kernel,
+}
 FP32_POINTERS = {"Lse", "dLse", "Delta"}
-INT32_POINTERS = {"tiles", "cu_seqlens"}
-BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV"}
+INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots"}
+BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 # Integer arguments that a launch on aligned tensors sees as multiples of 16 (and specialises on).
 ALIGNED_INTS = {"T", "left", "right"}
 
@@ -45,6 +50,7 @@ ALIGNED_INTS = {"T", "left", "right"}
 def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
     """(signature, constexprs, attrs) of a launch like the one in kernels.flash_attn."""
     block_d = fa._padded_dim(head_dim)
+    store_blocks = fa.block_config(head_dim)["dkdv"][0][1]
     # The forward and dQ pass stream key blocks (n rows); the dK/dV pass streams query blocks (m rows).
     desc_rows = blocks.m if kernel == "dkdv" else blocks.n
     constants = dict(
@@ -52,8 +58,11 @@ def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
         BLOCK_D=block_d,
         BLOCK_M=blocks.m,
         BLOCK_N=blocks.n,
+        BM_KV=store_blocks.m,
         TMA=blocks.tma,
         HAS_DLSE=False,
+        # The first dK/dV class stores dS for the dQ pass under a causal mask over the whole past.
+        STORE_DS=kernel == "dkdv" and blocks == store_blocks,
         group=1,
     )
     sig, constexprs, attrs = {}, {}, {}
@@ -142,7 +151,7 @@ def format_row(row: dict, longest: int | None) -> str:
     b = row["blocks"]
     blocks = f"{b.m}x{b.n} w{b.warps} s{b.stages}" + (" tma" if b.tma else "")
     return (
-        f"{row['kernel']:<5} {('<= ' + str(longest)) if longest else 'longer':<8} {blocks:<18} "
+        f"{row['kernel']:<9} {('<= ' + str(longest)) if longest else 'longer':<8} {blocks:<18} "
         f"{row['shared_kb']:7.1f} {row['registers'] or '?':>5} {row['spill_bytes']:>6} {row['wgmma']:>6} "
         f"{row['waits_for_all']:>6} {row['waits_partial']:>6} {row['tma_loads']:>5} "
         f"{row['cp_async_loads']:>6}"
@@ -153,7 +162,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
-    parser.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=["fwd", "dq", "dkdv"])
+    parser.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=list(KERNELS))
     parser.add_argument("--dump", type=Path, help="write each kernel's TTGIR and PTX here")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     args = parser.parse_args()
@@ -162,11 +171,15 @@ def main():
     if not args.json:
         print(f"triton {triton.__version__}, sm_{args.arch}, head dim {args.head_dim}")
         print(
-            f"{'pass':<5} {'class':<8} {'blocks':<18} {'smem KB':>7} {'regs':>5} {'spills':>6} {'wgmma':>6} "
+            f"{'pass':<9} {'class':<8} {'blocks':<18} {'smem KB':>7} {'regs':>5} {'spills':>6} {'wgmma':>6} "
             f"{'wait 0':>6} {'wait n':>6} {'tma':>5} {'cp.async':>6}"
         )
     for kernel in args.kernels:
-        for longest, blocks in config[kernel]:
+        if kernel not in config:
+            continue
+        # dq_stored serves the documents of the first dK/dV class.
+        entries = config[kernel] if kernel != "dq_stored" else [(config["dkdv"][0][0], config[kernel])]
+        for longest, blocks in entries:
             row = inspect_kernel(kernel, args.head_dim, blocks, args.arch, args.dump)
             if args.json:
                 print(json.dumps({**row, "blocks": blocks._asdict(), "longest": longest}))

@@ -24,7 +24,9 @@ def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert {row["kernel"] for row in rows} == {"fwd", "dq", "dkdv"}
+    # Head dim 128 takes its short documents' dQ from stored dS; at 64 that measured slower (d12).
+    stored = {"dq_stored"} if head_dim == 128 else set()
+    assert {row["kernel"] for row in rows} == {"fwd", "dq", "dkdv"} | stored
     for row in rows:
         where = f"{row['kernel']} {row['blocks']}"
         assert row["shared_kb"] * 1024 <= HOPPER_SHARED_BYTES, where
