@@ -50,7 +50,10 @@ ALIGNED_INTS = {"T", "left", "right"}
 def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
     """(signature, constexprs, attrs) of a launch like the one in kernels.flash_attn."""
     block_d = fa._padded_dim(head_dim)
-    store_blocks = fa.block_config(head_dim)["dkdv"][0][1]
+    config = fa.block_config(head_dim)
+    store_blocks = config["dkdv"][0][1]
+    # As in fa.backward: the first dK/dV class stores dS only where a dq_stored pass reads it back.
+    stores = "dq_stored" in config and config["dkdv"][0][0] is not None
     # The forward and dQ pass stream key blocks (n rows); the dK/dV pass streams query blocks (m rows).
     desc_rows = blocks.m if kernel == "dkdv" else blocks.n
     constants = dict(
@@ -61,8 +64,7 @@ def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
         BM_KV=store_blocks.m,
         TMA=blocks.tma,
         HAS_DLSE=False,
-        # The first dK/dV class stores dS for the dQ pass under a causal mask over the whole past.
-        STORE_DS=kernel == "dkdv" and blocks == store_blocks,
+        STORE_DS=stores and kernel == "dkdv" and blocks == store_blocks,
         group=1,
     )
     sig, constexprs, attrs = {}, {}, {}
