@@ -5,7 +5,8 @@
         total_batch_tokens=524288 +models=[d12,d20] +backends=[triton,flex,torch_varlen,sdpa_packed] \
         +warmup=3 +steps=10 +out=benchmarks/train.json [+profile=true]
 
-Takes the same overrides as train.py (the data pipeline and loader are the real ones). For each model
+Takes the same overrides as train.py (the data pipeline and loader are the real ones). Each entry of
+`+models` names a preset of configs/model, composed as `train.py model=<name>` would. For each model
 and backend it reports tokens/s; MFU by nanochat's formula (6 x matmul params + 12 * layers * heads *
 head_dim * max_seqlen FLOPs per token, i.e. full attention over every row, whether computed or not) and
 with only the in-document attention work counted; peak memory; compile time (the first step's time
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -38,9 +41,16 @@ register_configs()
 NANOCHAT_PEAK = 989e12
 
 
-def bench_one(cfg, data, info, depth: int, backend: str, warmup: int, steps: int, profile: bool) -> dict:
+def model_config(preset: str) -> DictConfig:
+    """The run's config with configs/model/<preset>.yaml selected, as `train.py model=<preset>` with the
+    same command line would compose it: a preset sets more than the depth (d12 is 6 heads of 128, as in
+    nanochat), so setting `model.depth` alone would keep the default preset's other knobs."""
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("model=")]
+    return hydra.compose(config_name="config", overrides=[*overrides, f"model={preset}"])
+
+
+def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int, profile: bool) -> dict:
     device = info.device
-    cfg.model.depth = depth
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, data.vocab_size, backend, cfg.data.max_seqlen).to(device)
     optimizers = build_optimizers(model, cfg.optim)
@@ -76,7 +86,7 @@ def bench_one(cfg, data, info, depth: int, backend: str, warmup: int, steps: int
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as prof:
             wall = timed_step()[0]
-        print(f"profile of one step, d{depth} {backend}: {wall:.3f} s wall")
+        print(f"profile of one step, {name} {backend}: {wall:.3f} s wall")
         print(
             prof.key_averages().table(
                 sort_by="self_device_time_total", row_limit=40, max_name_column_width=70
@@ -92,7 +102,8 @@ def bench_one(cfg, data, info, depth: int, backend: str, warmup: int, steps: int
     in_doc_flops = 6 * model.matmul_params() * tokens + sum(attn_flops) / len(attn_flops)
     peak = peak_flops(device) or NANOCHAT_PEAK
     row = {
-        "model": f"d{depth}",
+        "model": name,
+        "heads": f"{s.n_head} x {s.head_dim}",
         "attention": backend,
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "tokens_per_s": tokens / step_time,
@@ -120,7 +131,7 @@ def release_memory() -> None:
 def main(cfg) -> None:
     info = init_distributed(cfg.device)
     check_config(cfg, info)
-    models = list(cfg.get("models", ["d12", "d20"]))
+    models = [str(m) for m in cfg.get("models", ["d12", "d20"])]
     backends = list(cfg.get("backends", ["triton", "flex", "torch_varlen", "sdpa_packed"]))
     warmup, steps = int(cfg.get("warmup", 3)), int(cfg.get("steps", 10))
     profile = bool(cfg.get("profile", False))  # +profile=true: per-kernel table of one extra step
@@ -129,7 +140,7 @@ def main(cfg) -> None:
     for name in models:
         for backend in backends:
             try:
-                row = bench_one(cfg, data, info, int(str(name).lstrip("d")), backend, warmup, steps, profile)
+                row = bench_one(model_config(name), data, info, name, backend, warmup, steps, profile)
             except torch.OutOfMemoryError:
                 row = {"model": name, "attention": backend, "error": "out of memory"}
             release_memory()
@@ -148,18 +159,18 @@ def main(cfg) -> None:
     }
     print(f"\n{env}")
     print(
-        f"{'model':<6} {'attention':<13} {'tok/s':>10} {'MFU nc':>7} {'MFU doc':>8} {'mem GB':>7} "
-        f"{'compile s':>9} {'recomp':>6} {'data %':>7}"
+        f"{'model':<6} {'heads':<8} {'attention':<13} {'tok/s':>10} {'MFU nc':>7} {'MFU doc':>8} "
+        f"{'mem GB':>7} {'compile s':>9} {'recomp':>6} {'data %':>7}"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:<6} {r['attention']:<13} {r['error']}")
+            print(f"{r['model']:<6} {'':<8} {r['attention']:<13} {r['error']}")
             continue
         mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
         print(
-            f"{r['model']:<6} {r['attention']:<13} {r['tokens_per_s']:>10,.0f} {r['mfu_nanochat']:>7.1%} "
-            f"{r['mfu_in_document']:>8.1%} {mem:>7} {r['compile_s']:>9.1f} {r['recompiles']:>6} "
-            f"{r['data_share']:>7.2%}"
+            f"{r['model']:<6} {r['heads']:<8} {r['attention']:<13} {r['tokens_per_s']:>10,.0f} "
+            f"{r['mfu_nanochat']:>7.1%} {r['mfu_in_document']:>8.1%} {mem:>7} "
+            f"{r['compile_s']:>9.1f} {r['recompiles']:>6} {r['data_share']:>7.2%}"
         )
     if cfg.get("out"):
         out = Path(cfg.out)
