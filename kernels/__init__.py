@@ -1,17 +1,17 @@
 """Varlen attention over a packed token buffer: the Triton kernel and its pure-PyTorch references.
 
-`flash_attn_varlen` is imported on first use, so that the references (the CPU path) work where Triton
-is not installed.
+`flash_attn_varlen` and `flash_attn_plan` are imported on first use, so that the references (the CPU
+path) work where Triton is not installed.
 """
 
 from kernels.reference import attention_masked, attention_reference
 
-__all__ = ["flash_attn_varlen", "attention_masked", "attention_reference"]
+__all__ = ["flash_attn_varlen", "flash_attn_plan", "attention_masked", "attention_reference"]
 
 
 def __getattr__(name: str):
-    if name == "flash_attn_varlen":
-        from kernels.op import flash_attn_varlen
+    if name in ("flash_attn_varlen", "flash_attn_plan"):
+        from kernels import op
 
-        return flash_attn_varlen
+        return getattr(op, name)
     raise AttributeError(f"module 'kernels' has no attribute {name!r}")

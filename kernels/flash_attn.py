@@ -5,10 +5,12 @@ cu_seqlens[-1] that belong to no document. Each kernel runs on a grid (tiles, he
 (segment, block) pair: a block of BLOCK rows of one document, or of the tail. `tile_table` lists them on
 the device, so the grid size depends on T and N only (never on the boundaries, and nothing waits for the
 host); the table has at most cdiv(T, BLOCK) + N real tiles, zero-length documents have none, and the
-unused entries exit at once. Documents may be split by length into classes with their own block sizes
-(block_config), one launch each. On Hopper, a class may stream its inner loop's tiles by TMA through
-ragged descriptors (triton.tools.ragged_tma): the hardware bounds each load to the tile's document and
-fills the rest with zeros, so no thread computes addresses or masks for those loads.
+unused entries exit at once. `make_plan` builds the tables of every launch of a forward and backward in
+one tensor, which all layers attending over the same documents can share. Documents may be split by
+length into classes with their own block sizes (block_config), one launch each. On Hopper, a class may
+stream its inner loop's tiles by TMA through ragged descriptors (triton.tools.ragged_tma): the hardware
+bounds each load to the tile's document and fills the rest with zeros, so no thread computes addresses or
+masks for those loads.
 
 Query i of a document sees key j of the same document when i - left <= j <= i + right (window_size as in
 flash-attn; causal means right = 0; an unbounded side is passed as T). The kernels work in base 2:
@@ -61,6 +63,7 @@ class Blocks(NamedTuple):
 # reads the dS stored by the first dK/dV class (see `backward`): its key blocks are that class's, and its
 # query blocks a multiple of that class's, no larger than its key blocks.
 Config = dict[str, list[tuple[int | None, Blocks]] | Blocks]
+DELTA_ROWS = 64  # rows per program of the delta pass, which only streams O and dO
 
 
 def block_config(head_dim: int) -> Config:
@@ -102,12 +105,16 @@ def _classes(entries: list[tuple[int | None, Blocks]], num_tokens: int):
         shortest = longest
 
 
+def _n_tiles(num_tokens: int, n_docs: int, block: int, shortest: int) -> int:
+    return triton.cdiv(num_tokens, block) + min(n_docs, num_tokens // (shortest + 1))
+
+
 def tile_table(
     cu_seqlens: torch.Tensor, num_tokens: int, block: int, last_block_first: bool, shortest: int = 0,
-    longest: int | None = None,
+    longest: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int32 [2, n]: (segment, block index) of each tile of the segments of length in (shortest, longest],
-    then (-1, *) padding.
+    then (-1, *) padding. Written into `out` when given.
 
     Segment s < N is document s; segment N is the tail [cu_seqlens[N], num_tokens). A segment of length L
     has cdiv(L, block) tiles, so the real tiles number at most n = cdiv(T, block) + N, where N may be
@@ -117,8 +124,8 @@ def tile_table(
     One small launch: a dozen torch ops would cost more than the table is worth on short batches.
     """
     n_docs = cu_seqlens.numel() - 1
-    n_tiles = triton.cdiv(num_tokens, block) + min(n_docs, num_tokens // (shortest + 1))
-    tiles = torch.empty((2, n_tiles), dtype=torch.int32, device=cu_seqlens.device)
+    n_tiles = _n_tiles(num_tokens, n_docs, block, shortest)
+    tiles = torch.empty((2, n_tiles), dtype=torch.int32, device=cu_seqlens.device) if out is None else out
     _tile_table_kernel[(triton.cdiv(n_tiles, 64),)](
         cu_seqlens, tiles, n_tiles, n_docs, num_tokens, shortest, num_tokens if longest is None else longest,
         BLOCK=block, LAST_BLOCK_FIRST=last_block_first, TILES=64, SEGMENTS=256,
@@ -575,7 +582,9 @@ def _bwd_dq_stored_kernel(
         cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base, cols, stride_kt, k_len, HEAD_DIM, BLOCK_D, True)
         slot = _ds_slot(DocSlots, segment, kb, q_len, BM_KV, BLOCK_N) + r0 // BM_KV - kb * (BLOCK_N // BM_KV)
-        ds = tl.load(DS + (head * n_slots + slot).to(tl.int64) * (BM_KV * BLOCK_N) + tile)
+        # Rows past the document's end would read the next slots, which may hold anything: skip them.
+        ds_ptrs = DS + (head * n_slots + slot).to(tl.int64) * (BM_KV * BLOCK_N) + tile
+        ds = tl.load(ds_ptrs, mask=rows[:, None] < q_len, other=0.0)
         dq = tl.dot(ds, k, dq)
     _store_rows(
         dQ + start * stride_dqt + head * stride_dqh, rows, stride_dqt, q_len,
@@ -584,7 +593,7 @@ def _bwd_dq_stored_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launchers
+# Host helpers
 
 
 def _window(T: int, left: int, right: int) -> tuple[int, int]:
@@ -623,16 +632,147 @@ def _descriptors(blocks: Blocks, rows: int, block_d: int, *tensors: torch.Tensor
     return tuple(create_ragged_descriptor(x, [rows, 1, block_d]) for x in tensors)
 
 
-def forward(q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_scale: float):
-    """out [T, H, D] in q's dtype and lse [H, T] float32 (natural log). The last dims must be contiguous."""
+# ----------------------------------------------------------------------------------------------------------
+# The plan: every tile table of a forward and backward call, in one int32 tensor
+
+
+class _Launch(NamedTuple):
+    kernel: str  # "fwd", "delta", "dq", "dkdv" or "dq_stored"
+    blocks: Blocks | None  # None for the delta pass, which has no inner loop
+    block: int  # rows per tile of its table
+    last_block_first: bool
+    shortest: int
+    longest: int
+
+
+def _stored_longest(config: Config, left: int, right: int) -> int:
+    """Longest document whose dQ comes from the dS stored by its dK/dV pass (see `backward`); 0 for none."""
+    longest = config["dkdv"][0][0]
+    if "dq_stored" in config and longest is not None and right == 0 and left >= longest:
+        return longest
+    return 0
+
+
+def _launches(config: Config, T: int, left: int, right: int) -> list[_Launch]:
+    """The launches of a forward and a backward call, in order."""
+    stored = _stored_longest(config, left, right)
+    launches = [_Launch("fwd", b, b.m, True, lo, hi) for lo, hi, b in _classes(config["fwd"], T)]
+    if stored:
+        launches.append(_Launch("delta", None, DELTA_ROWS, False, 0, stored))
+    for lo, hi, b in _classes(config["dq"], T):
+        if max(lo, stored) < hi:
+            launches.append(_Launch("dq", b, b.m, True, max(lo, stored), hi))
+    # Under a causal mask the first key blocks are seen by the most queries: run them first.
+    launches += [_Launch("dkdv", b, b.n, False, lo, hi) for lo, hi, b in _classes(config["dkdv"], T)]
+    if stored:
+        b, store = config["dq_stored"], config["dkdv"][0][1]
+        if b.n != store.n or b.m % store.m or b.m > store.n:
+            raise ValueError(f"dq_stored {b} does not fit the dS tiles of {store}")
+        launches.append(_Launch("dq_stored", b, b.m, True, 0, stored))
+    return launches
+
+
+# The kernels of each pass; a plan made for one pass holds only its tables.
+_PASSES = {"fwd": ("fwd",), "bwd": ("delta", "dq", "dkdv", "dq_stored")}
+
+
+def _plan_layout(T: int, n_docs: int, head_dim: int, window_left: int, window_right: int, part: str | None):
+    """([(launch, offset, tiles)], offset of the dS slots or None, size) of a plan for pass `part` ("fwd",
+    "bwd", or None for both): shapes only."""
+    config = block_config(head_dim)
+    left, right = _window(T, window_left, window_right)
+    kernels = _PASSES[part] if part else _PASSES["fwd"] + _PASSES["bwd"]
+    layout, size = [], 0
+    for launch in _launches(config, T, left, right):
+        if launch.kernel in kernels:
+            n = _n_tiles(T, n_docs, launch.block, launch.shortest)
+            layout.append((launch, size, n))
+            size += 2 * n
+    slots_at = size if _stored_longest(config, left, right) and part != "fwd" else None
+    return layout, slots_at, size + (0 if slots_at is None else n_docs + 1)
+
+
+def plan_size(T: int, n_docs: int, head_dim: int, window_left: int, window_right: int) -> int:
+    return _plan_layout(T, n_docs, head_dim, window_left, window_right, None)[2]
+
+
+def make_plan(
+    cu_seqlens: torch.Tensor, T: int, head_dim: int, window_left: int, window_right: int,
+    part: str | None = None,
+) -> torch.Tensor:
+    """int32 [plan_size]: the tile table of every launch of a call over T tokens split by cu_seqlens,
+    then, where short documents' dS is stored, the first dS slot of each document. It depends only on
+    the documents, the head dim and the window, so every layer's forward and backward over the same
+    documents can share one. `part` limits it to one pass ("fwd" or "bwd"), for a call of its own."""
+    check_interpreter()
+    n_docs = cu_seqlens.numel() - 1
+    layout, slots_at, size = _plan_layout(T, n_docs, head_dim, window_left, window_right, part)
+    plan = torch.empty(size, dtype=torch.int32, device=cu_seqlens.device)
+    for launch, at, n in layout:
+        tile_table(
+            cu_seqlens, T, launch.block, launch.last_block_first, launch.shortest, launch.longest,
+            out=plan[at : at + 2 * n].view(2, n),
+        )
+    if slots_at is not None:
+        store = block_config(head_dim)["dkdv"][0]
+        _ds_slots(cu_seqlens, store[0], store[1].m, store[1].n, plan[slots_at:])
+    return plan
+
+
+def _ds_slots(cu_seqlens: torch.Tensor, longest: int, bm: int, bn: int, out: torch.Tensor) -> None:
+    """Writes the first dS slot of each document of at most `longest` tokens (int32 [N + 1]) into out.
+    A document of L tokens takes sum over its key blocks b of cdiv(L - b bn, bm) slots (see `_ds_slot`)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    n_q, n_k = (lengths + bm - 1) // bm, (lengths + bn - 1) // bn
+    slots = torch.where(lengths <= longest, n_k * n_q - (bn // bm) * n_k * (n_k - 1) // 2, 0)
+    out.copy_(torch.cumsum(torch.cat([slots.new_zeros(1), slots]), 0))
+
+
+def _ds_slot_count(T: int, n_docs: int, longest: int, bm: int, bn: int) -> int:
+    """A number of dS slots that no set of documents of at most `longest` tokens in T tokens exceeds.
+
+    A document of L tokens takes sum over its key blocks b of cdiv(L - b bn, bm) <= (L - b bn) / bm + 1
+    slots, which is at most L / bn + 1 + (L^2 / (2 bn) + L) / bm; summed over documents with sum L <= T and
+    L <= longest, that is below longest T / (2 bm bn) + T / bn + T / bm + N."""
+    return longest * T // (2 * bm * bn) + T // bn + T // bm + n_docs + 1
+
+
+def _planned(plan, cu_seqlens, T: int, head_dim: int, window_left: int, window_right: int, part: str):
+    """([(launch, tile table)], dS slots or None) of pass `part` from a plan of both passes, or from one
+    made here for this pass alone when plan is None."""
+    n_docs = cu_seqlens.numel() - 1
+    if plan is None:
+        plan = make_plan(cu_seqlens, T, head_dim, window_left, window_right, part)
+        layout, slots_at, _ = _plan_layout(T, n_docs, head_dim, window_left, window_right, part)
+    else:
+        layout, slots_at, size = _plan_layout(T, n_docs, head_dim, window_left, window_right, None)
+        if plan.shape != (size,) or plan.dtype != torch.int32:
+            raise ValueError(
+                f"plan {plan.dtype} {tuple(plan.shape)} was not made for this call: {T} tokens, {n_docs} "
+                f"documents, head dim {head_dim} and window ({window_left}, {window_right}) take int32 "
+                f"({size},)"
+            )
+    views = [(launch, plan[at : at + 2 * n].view(2, n)) for launch, at, n in layout]
+    tables = [(launch, tiles) for launch, tiles in views if launch.kernel in _PASSES[part]]
+    return tables, None if slots_at is None else plan[slots_at:]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def forward(q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_scale: float, plan=None):
+    """out [T, H, D] in q's dtype and lse [H, T] float32 (natural log). The last dims must be contiguous.
+    plan: from make_plan for the same documents, head dim and window, or None to make this pass's here."""
     T, H, D = q.shape
     _check_launch(q, k, v)
+    tables, _ = _planned(plan, cu_seqlens, T, D, window_left, window_right, "fwd")
     left, right = _window(T, window_left, window_right)
     BLOCK_D = _padded_dim(D)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-    for shortest, longest, blocks in _classes(block_config(D)["fwd"], T):
-        tiles = tile_table(cu_seqlens, T, blocks.m, True, shortest, longest)
+    for launch, tiles in tables:
+        blocks = launch.blocks
         k_desc, v_desc = _descriptors(blocks, blocks.n, BLOCK_D, k, v)
         _fwd_kernel[(tiles.shape[1], H)](
             q, k, v, out, lse, k_desc, v_desc, tiles, tiles.shape[1], cu_seqlens, cu_seqlens.numel() - 1, T,
@@ -644,24 +784,11 @@ def forward(q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_sc
     return out, lse
 
 
-def _ds_slots(cu_seqlens: torch.Tensor, T: int, longest: int, bm: int, bn: int) -> tuple[torch.Tensor, int]:
-    """First dS slot of each document of at most `longest` tokens (int32 [N + 1]), and a number of slots
-    that no such set of documents in T tokens exceeds.
-
-    A document of L tokens takes sum over its key blocks b of cdiv(L - b bn, bm) <= (L - b bn) / bm + 1
-    slots, which is at most L / bn + 1 + (L^2 / (2 bn) + L) / bm; summed over documents with sum L <= T and
-    L <= longest, that is below longest T / (2 bm bn) + T / bn + T / bm + N."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    n_q, n_k = (lengths + bm - 1) // bm, (lengths + bn - 1) // bn
-    slots = torch.where(lengths <= longest, n_k * n_q - (bn // bm) * n_k * (n_k - 1) // 2, 0)
-    first = torch.cumsum(torch.cat([slots.new_zeros(1), slots]), 0).to(torch.int32)
-    return first, longest * T // (2 * bm * bn) + T // bn + T // bm + lengths.numel() + 1
-
-
 def backward(
-    dout, q, k, v, out, lse, dlse, cu_seqlens, window_left: int, window_right: int, softmax_scale: float
+    dout, q, k, v, out, lse, dlse, cu_seqlens, window_left: int, window_right: int, softmax_scale: float,
+    plan=None,
 ):
-    """(dq, dk, dv) shaped like (q, k, v). dlse, the gradient on lse, may be None.
+    """(dq, dk, dv) shaped like (q, k, v). dlse, the gradient on lse, may be None; plan as in `forward`.
 
     Causal attention over the whole past (flash-attn's default) takes the short documents' dQ from the dS
     that their dK/dV pass stores (bf16, about longest * T * H / 2 values for documents of up to `longest`
@@ -670,7 +797,7 @@ def backward(
     T, H, D = q.shape
     H_kv = k.shape[1]
     _check_launch(dout, q, k, v, out)
-    config = block_config(D)
+    tables, doc_slots = _planned(plan, cu_seqlens, T, D, window_left, window_right, "bwd")
     left, right = _window(T, window_left, window_right)
     BLOCK_D = _padded_dim(D)
     n_docs = cu_seqlens.numel() - 1
@@ -678,60 +805,52 @@ def backward(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty_like(lse)
-
-    stored_longest, store_blocks = config["dkdv"][0]
-    store = "dq_stored" in config and stored_longest is not None and right == 0 and left >= stored_longest
-    recompute_above = stored_longest if store else 0
-    ds, doc_slots, n_slots = dq, cu_seqlens, 0
-    if store:
-        doc_slots, n_slots = _ds_slots(cu_seqlens, T, stored_longest, store_blocks.m, store_blocks.n)
-        dq_blocks = config["dq_stored"]
-        if dq_blocks.n != store_blocks.n or dq_blocks.m % store_blocks.m or dq_blocks.m > store_blocks.n:
-            raise ValueError(f"dq_stored {dq_blocks} does not fit the dS tiles of {store_blocks}")
-        # The last query block of a document reads dq_blocks.m / m slots from its first one on.
+    ds, slots, n_slots = dq, cu_seqlens, 0  # placeholders, unread without STORE_DS
+    if doc_slots is not None:
+        slots = doc_slots
+        stored_longest, store_blocks = block_config(D)["dkdv"][0]
+        n_slots = _ds_slot_count(T, n_docs, stored_longest, store_blocks.m, store_blocks.n)
+        # The last query block of a document reads dq_stored's m / m slots from its first one on.
         ds = torch.empty(
-            (H * n_slots + dq_blocks.m // store_blocks.m, store_blocks.m, store_blocks.n), dtype=q.dtype,
-            device=q.device,
-        )
-        tiles = tile_table(cu_seqlens, T, 64, False, 0, stored_longest)
-        _bwd_delta_kernel[(tiles.shape[1], H)](
-            out, dout, dlse, delta, tiles, tiles.shape[1], cu_seqlens, n_docs, T, out.stride(0),
-            out.stride(1), dout.stride(0), dout.stride(1), HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK=64,
-            HAS_DLSE=dlse is not None,
+            (H * n_slots + block_config(D)["dq_stored"].m // store_blocks.m, store_blocks.m, store_blocks.n),
+            dtype=q.dtype, device=q.device,
         )
 
-    for shortest, longest, blocks in _classes(config["dq"], T):
-        shortest = max(shortest, recompute_above)
-        if shortest >= longest:
-            continue
-        tiles = tile_table(cu_seqlens, T, blocks.m, True, shortest, longest)
-        k_desc, v_desc = _descriptors(blocks, blocks.n, BLOCK_D, k, v)
-        _bwd_dq_kernel[(tiles.shape[1], H)](
-            q, k, v, out, dout, lse, dlse, delta, dq, k_desc, v_desc, tiles, tiles.shape[1], cu_seqlens,
-            n_docs, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-            H // H_kv, left, right, softmax_scale * LOG2E.value, softmax_scale, HEAD_DIM=D, BLOCK_D=BLOCK_D,
-            BLOCK_M=blocks.m, BLOCK_N=blocks.n, HAS_DLSE=dlse is not None, TMA=k_desc is not None,
-            num_warps=blocks.warps, num_stages=blocks.stages,
-        )
-    # Under a causal mask the first key blocks are seen by the most queries: run them first.
-    for shortest, longest, blocks in _classes(config["dkdv"], T):
-        tiles = tile_table(cu_seqlens, T, blocks.n, False, shortest, longest)
-        q_desc, do_desc = _descriptors(blocks, blocks.m, BLOCK_D, q, dout)
-        _bwd_dkdv_kernel[(tiles.shape[1], H_kv)](
-            q, k, v, dout, lse, delta, dk, dv, ds, doc_slots, q_desc, do_desc, tiles, tiles.shape[1],
-            cu_seqlens, n_docs, T, n_slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
-            dv.stride(1), H // H_kv, left, right, softmax_scale * LOG2E.value, softmax_scale, HEAD_DIM=D,
-            BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=blocks.n, TMA=q_desc is not None,
-            STORE_DS=store and shortest == 0, num_warps=blocks.warps, num_stages=blocks.stages,
-        )
-    if store:
-        tiles = tile_table(cu_seqlens, T, dq_blocks.m, True, 0, stored_longest)
-        _bwd_dq_stored_kernel[(tiles.shape[1], H)](
-            k, ds, doc_slots, dq, tiles, tiles.shape[1], cu_seqlens, n_docs, T, n_slots, k.stride(0),
-            k.stride(1), dq.stride(0), dq.stride(1), H // H_kv, softmax_scale, HEAD_DIM=D, BLOCK_D=BLOCK_D,
-            BLOCK_M=dq_blocks.m, BLOCK_N=store_blocks.n, BM_KV=store_blocks.m, num_warps=dq_blocks.warps,
-            num_stages=dq_blocks.stages,
-        )
+    for launch, tiles in tables:
+        blocks, grid = launch.blocks, (tiles.shape[1], H)
+        if launch.kernel == "delta":
+            _bwd_delta_kernel[grid](
+                out, dout, dlse, delta, tiles, tiles.shape[1], cu_seqlens, n_docs, T, out.stride(0),
+                out.stride(1), dout.stride(0), dout.stride(1), HEAD_DIM=D, BLOCK_D=BLOCK_D,
+                BLOCK=launch.block, HAS_DLSE=dlse is not None,
+            )
+        elif launch.kernel == "dq":
+            k_desc, v_desc = _descriptors(blocks, blocks.n, BLOCK_D, k, v)
+            _bwd_dq_kernel[grid](
+                q, k, v, out, dout, lse, dlse, delta, dq, k_desc, v_desc, tiles, tiles.shape[1], cu_seqlens,
+                n_docs, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+                H // H_kv, left, right, softmax_scale * LOG2E.value, softmax_scale, HEAD_DIM=D,
+                BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=blocks.n, HAS_DLSE=dlse is not None,
+                TMA=k_desc is not None, num_warps=blocks.warps, num_stages=blocks.stages,
+            )
+        elif launch.kernel == "dkdv":
+            q_desc, do_desc = _descriptors(blocks, blocks.m, BLOCK_D, q, dout)
+            _bwd_dkdv_kernel[(tiles.shape[1], H_kv)](
+                q, k, v, dout, lse, delta, dk, dv, ds, slots, q_desc, do_desc, tiles, tiles.shape[1],
+                cu_seqlens, n_docs, T, n_slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1),
+                dv.stride(0), dv.stride(1), H // H_kv, left, right, softmax_scale * LOG2E.value,
+                softmax_scale, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=blocks.n,
+                TMA=q_desc is not None, STORE_DS=doc_slots is not None and launch.shortest == 0,
+                num_warps=blocks.warps, num_stages=blocks.stages,
+            )
+        elif launch.kernel == "dq_stored":
+            store_blocks = block_config(D)["dkdv"][0][1]
+            _bwd_dq_stored_kernel[grid](
+                k, ds, slots, dq, tiles, tiles.shape[1], cu_seqlens, n_docs, T, n_slots, k.stride(0),
+                k.stride(1), dq.stride(0), dq.stride(1), H // H_kv, softmax_scale, HEAD_DIM=D,
+                BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=store_blocks.n, BM_KV=store_blocks.m,
+                num_warps=blocks.warps, num_stages=blocks.stages,
+            )
     return dq, dk, dv

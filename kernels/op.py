@@ -1,12 +1,14 @@
 """`flash_attn_varlen`: the Triton kernels as PyTorch custom operators with autograd.
 
-The forward op returns (out, lse) and the backward op (dq, dk, dv). Both have fake implementations, so
-torch.compile traces through them without a graph break. Nothing in them reads device values on the host
+The plan op returns the tile tables of a call (`flash_attn_plan`), the forward op (out, lse) and the
+backward op (dq, dk, dv). All have fake implementations, so torch.compile traces through them without a
+graph break. Nothing in them reads device values on the host
 and no shape depends on document boundaries, so a compiled model does not recompile when the boundaries
 change between batches (with cu_seqlens of a fixed length: pad it with zero-length documents).
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -18,22 +20,36 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+@torch.library.custom_op("varlen_gpt::flash_attn_plan", mutates_args=())
+def flash_attn_plan_tables(
+    cu_seqlens: torch.Tensor, num_tokens: int, head_dim: int, window_left: int, window_right: int
+) -> torch.Tensor:
+    return flash_attn.make_plan(cu_seqlens, num_tokens, head_dim, window_left, window_right)
+
+
+@flash_attn_plan_tables.register_fake
+def _(cu_seqlens, num_tokens, head_dim, window_left, window_right):
+    n_docs = cu_seqlens.shape[0] - 1
+    return cu_seqlens.new_empty(flash_attn.plan_size(num_tokens, n_docs, head_dim, window_left, window_right))
+
+
 @torch.library.custom_op("varlen_gpt::flash_attn_varlen_fwd", mutates_args=())
 def flash_attn_varlen_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    plan: torch.Tensor | None,
     window_left: int,
     window_right: int,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = map(_last_dim_contiguous, (q, k, v))
-    return flash_attn.forward(q, k, v, cu_seqlens, window_left, window_right, softmax_scale)
+    return flash_attn.forward(q, k, v, cu_seqlens, window_left, window_right, softmax_scale, plan)
 
 
 @flash_attn_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens, window_left, window_right, softmax_scale):
+def _(q, k, v, cu_seqlens, plan, window_left, window_right, softmax_scale):
     T, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((H, T), dtype=torch.float32)
 
@@ -48,6 +64,7 @@ def flash_attn_varlen_bwd(
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
+    plan: torch.Tensor | None,
     window_left: int,
     window_right: int,
     softmax_scale: float,
@@ -55,29 +72,62 @@ def flash_attn_varlen_bwd(
     dout, q, k, v = map(_last_dim_contiguous, (dout, q, k, v))
     dlse = None if dlse is None else dlse.contiguous()
     return flash_attn.backward(
-        dout, q, k, v, out, lse, dlse, cu_seqlens, window_left, window_right, softmax_scale
+        dout, q, k, v, out, lse, dlse, cu_seqlens, window_left, window_right, softmax_scale, plan
     )
 
 
 @flash_attn_varlen_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens, window_left, window_right, softmax_scale):
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens, plan, window_left, window_right, softmax_scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, window_left, window_right, softmax_scale = inputs
+    q, k, v, cu_seqlens, plan, window_left, window_right, softmax_scale = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, plan)
     ctx.args = (window_left, window_right, softmax_scale)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, out, lse, cu_seqlens, plan = ctx.saved_tensors
+    dq, dk, dv = flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, plan, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
 
 
 flash_attn_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class FlashAttnPlan(NamedTuple):
+    """The tile tables of every kernel launch for one set of documents (`flash_attn_plan`), with what they
+    were made for, so that a call they do not fit fails on the host."""
+
+    tables: torch.Tensor
+    num_tokens: int
+    head_dim: int
+    window: tuple[int, int]  # (left, right) as the kernels take it: causal has right = 0
+
+
+def _window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+    left, right = window_size
+    return (left, 0) if causal else (left, right)
+
+
+def flash_attn_plan(
+    cu_seqlens: torch.Tensor,
+    num_tokens: int,
+    head_dim: int,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+) -> FlashAttnPlan:
+    """Schedule the kernels once for calls that share their documents (as flash-attn 3's scheduler
+    metadata): pass it as `plan=` to every layer's `flash_attn_varlen` over the same cu_seqlens, and the
+    forward and backward of each reuse it instead of building their tile tables per call (about seven
+    small launches). A plan is only valid for the cu_seqlens it was made from; the token count, head dim
+    and window are checked at each call, the boundaries are not (that would wait on the device)."""
+    window = _window(causal, window_size)
+    tables = flash_attn_plan_tables(cu_seqlens.to(torch.int32), num_tokens, head_dim, *window)
+    return FlashAttnPlan(tables, num_tokens, head_dim, window)
 
 
 def flash_attn_varlen(
@@ -90,6 +140,7 @@ def flash_attn_varlen(
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
+    plan: FlashAttnPlan | None = None,
 ) -> torch.Tensor:
     """Attention within each document of a packed buffer, as flash-attn's varlen function.
 
@@ -97,6 +148,8 @@ def flash_attn_varlen(
     cu_seqlens: int32 [N + 1] document boundaries, trailing zero-length documents allowed; tokens past
     cu_seqlens[-1] get 0. window_size=(left, right): query i sees keys i - left .. i + right of its
     document, -1 meaning unbounded; causal sets right = 0. softmax_scale defaults to 1 / sqrt(D).
+    plan: from `flash_attn_plan` over the same cu_seqlens, or None for the forward and the backward to
+    build their own tile tables.
     max_seqlen is accepted for compatibility with flash-attn and not used: the work is scheduled from
     cu_seqlens on the device, so nothing depends on it.
     """
@@ -113,11 +166,15 @@ def flash_attn_varlen(
         )
     if D > 256:
         raise ValueError(f"head dim {D} > 256 is not supported")
-    left, right = window_size
-    if causal:
-        right = 0
+    window = _window(causal, window_size)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     if scale <= 0:  # the kernels take the row max of unscaled scores
         raise ValueError(f"softmax_scale must be positive, got {scale}")
-    out, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens.to(torch.int32), left, right, scale)
+    if plan is not None and (plan.num_tokens, plan.head_dim, plan.window) != (T, D, window):
+        raise ValueError(
+            f"plan was made for {plan.num_tokens} tokens, head dim {plan.head_dim}, window {plan.window}; "
+            f"this call has {T} tokens, head dim {D}, window {window}"
+        )
+    tables = None if plan is None else plan.tables
+    out, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens.to(torch.int32), tables, *window, scale)
     return out

@@ -8,8 +8,8 @@ document boundaries `cu_seqlens` (int32 [N + 1], trailing zero-length documents 
 - sdpa_packed:  plain causal SDPA over fixed rows of max_seqlen tokens; documents bleed into each
                 other inside a row. The pre-varlen baseline, for comparisons only.
 
-A backend is used in two steps: `prepare` once per forward (work shared by all layers, such as
-FlexAttention's block masks), then `attend` in every layer.
+A backend is used in two steps: `prepare` once per forward (work shared by all layers: our kernel's
+plans, FlexAttention's block masks), then `attend` in every layer.
 """
 
 import torch
@@ -26,18 +26,23 @@ def default_backend(device: torch.device) -> str:
 
 
 class Attention:
-    def __init__(self, name: str, windows: list[int]):
+    def __init__(self, name: str, windows: list[int], head_dim: int):
         if name not in BACKENDS:
             raise ConfigError(f"attention={name!r} is not one of {', '.join(BACKENDS)}")
         self.name = name
         self.windows = sorted(set(windows))  # left window sizes in use, -1 = unbounded
+        self.head_dim = head_dim
         if name == "triton":
-            from kernels import flash_attn_varlen
+            from kernels import flash_attn_plan, flash_attn_varlen
 
-            self._flash = flash_attn_varlen
+            self._flash, self._plan = flash_attn_varlen, flash_attn_plan
 
     def prepare(self, cu_seqlens: torch.Tensor, max_seqlen: int, num_tokens: int) -> dict:
         ctx = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+        if self.name == "triton":
+            ctx["plans"] = {
+                w: self._plan(cu_seqlens, num_tokens, self.head_dim, window_size=(w, 0)) for w in self.windows
+            }
         if self.name == "flex":
             ctx["block_masks"] = {w: _document_block_mask(cu_seqlens, num_tokens, w) for w in self.windows}
         return ctx
@@ -45,7 +50,8 @@ class Attention:
     def attend(self, q, k, v, ctx: dict, window: int) -> torch.Tensor:
         cu, max_seqlen = ctx["cu_seqlens"], ctx["max_seqlen"]
         if self.name == "triton":
-            return self._flash(q, k, v, cu, max_seqlen, causal=True, window_size=(window, 0))
+            plan = ctx["plans"][window]
+            return self._flash(q, k, v, cu, max_seqlen, causal=True, window_size=(window, 0), plan=plan)
         if self.name == "reference":
             return attention_masked(q, k, v, cu, causal=True, window_size=(window, 0))
         if self.name == "flex":

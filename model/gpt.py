@@ -135,7 +135,7 @@ class GPT(nn.Module):
         self.rope_base, self.logit_softcap = float(cfg.rope_base), float(cfg.logit_softcap)
         self.loss_chunk_tokens = int(cfg.loss_chunk_tokens)
         windows = layer_windows(cfg.window_pattern, cfg.short_window, s.n_layer)
-        self.attention = Attention(attention, windows)
+        self.attention = Attention(attention, windows, s.head_dim)
         self.wte = nn.Embedding(s.padded_vocab_size, s.n_embd)
         self.blocks = nn.ModuleList(Block(s, w) for w in windows)
         self.lm_head = nn.Linear(s.n_embd, s.padded_vocab_size, bias=False)

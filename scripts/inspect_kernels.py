@@ -52,7 +52,7 @@ def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
     block_d = fa._padded_dim(head_dim)
     config = fa.block_config(head_dim)
     store_blocks = config["dkdv"][0][1]
-    # As in fa.backward: the first dK/dV class stores dS only where a dq_stored pass reads it back.
+    # As in fa._stored_longest: the first dK/dV class stores dS only where a dq_stored pass reads it back.
     stores = "dq_stored" in config and config["dkdv"][0][0] is not None
     # The forward and dQ pass stream key blocks (n rows); the dK/dV pass streams query blocks (m rows).
     desc_rows = blocks.m if kernel == "dkdv" else blocks.n

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kernels import attention_masked, attention_reference, flash_attn, flash_attn_varlen
+from kernels import attention_masked, attention_reference, flash_attn, flash_attn_plan, flash_attn_varlen
 from kernels.op import flash_attn_varlen_fwd
 
 pytestmark = pytest.mark.skipif(not flash_attn.INTERPRET, reason="GPU build: see test_kernels_gpu.py")
@@ -76,9 +76,15 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def forward_op(q, k, v, cu, window, scale):
+    """(out, lse) of the forward op, with the plan it is given in flash_attn_varlen."""
+    plan = flash_attn_plan(cu, q.shape[0], q.shape[2], causal=False, window_size=window)
+    return flash_attn_varlen_fwd(q, k, v, cu, plan.tables, *window, scale)
+
+
 def run_kernel(q, k, v, cu, window, scale, dout, dlse=None):
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-    out, lse = flash_attn_varlen_fwd(q, k, v, cu, *window, scale)
+    out, lse = forward_op(q, k, v, cu, window, scale)
     loss = (out.float() * dout).sum() + (0 if dlse is None else (lse * dlse).sum())
     loss.backward()
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
@@ -199,30 +205,53 @@ def test_backward_is_deterministic():
 
 
 def test_compile_has_no_graph_break_and_no_recompile():
-    """fullgraph=True traces through the custom op's fake implementation; new document boundaries (same
-    number of documents) and a new max_seqlen reuse the first graph. aot_eager also traces the backward."""
+    """fullgraph=True traces through the custom ops' fake implementations; new document boundaries (same
+    number of documents) and a new max_seqlen reuse the first graph. aot_eager also traces the backward.
+    The compiled function shares one plan per window between two layers, as the model does; the eager one
+    plans every call, and both give the same gradients."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
+    n, d = 64, 64
 
-    def loss_fn(q, k, v, cu_seqlens, max_seqlen):
-        out = flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, causal=True, window_size=(16, 0))
-        return out.float().square().sum()
+    def loss_fn(q, k, v, cu_seqlens, max_seqlen, shared):
+        plans = {
+            w: flash_attn_plan(cu_seqlens, n, d, window_size=(w, 0)) if shared else None for w in (-1, 16)
+        }
+        x = q
+        for w in (-1, 16, -1):  # the full causal window takes the stored-dS backward, 16 the recomputing one
+            x = flash_attn_varlen(x, k, v, cu_seqlens, max_seqlen, window_size=(w, 0), plan=plans[w])
+        return x.float().square().sum()
 
     compiled = torch.compile(loss_fn, fullgraph=True, dynamic=False, backend=counter)
-    n = 64
     for lengths in ([10, 20, 34, 0], [5, 1, 34, 10], [n, 0, 0, 0]):
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        q, k, v = (torch.randn(n, h, 64, dtype=torch.float16, requires_grad=True) for h in (2, 1, 1))
+        cu = cu_from(lengths)
+        q, k, v = (torch.randn(n, h, d, dtype=torch.float16, requires_grad=True) for h in (2, 1, 1))
         with torch._dynamo.config.patch(error_on_recompile=True):
-            compiled(q, k, v, cu, max(lengths)).backward()
+            compiled(q, k, v, cu, max(lengths), True).backward()
         grads = [x.grad for x in (q, k, v)]
         for x in (q, k, v):
             x.grad = None
-        loss_fn(q, k, v, cu, max(lengths)).backward()
+        loss_fn(q, k, v, cu, max(lengths), False).backward()
         assert all(torch.equal(g, x.grad) for g, x in zip(grads, (q, k, v), strict=True))
     assert counter.frame_count == 1
+
+
+def test_plan_that_does_not_fit_the_call_is_refused():
+    q, k, v, cu = make_inputs(MIXES["edges"], 64, 2, 1, torch.float16)
+    plan = flash_attn_plan(cu, T, 64, window_size=(24, 0))
+    assert torch.equal(
+        flash_attn_varlen(q, k, v, cu, 63, window_size=(24, 0), plan=plan),
+        flash_attn_varlen(q, k, v, cu, 63, window_size=(24, 0)),
+    )
+    with pytest.raises(ValueError, match="plan was made for 192 tokens, head dim 64, window \\(24, 0\\)"):
+        flash_attn_varlen(q, k, v, cu, 63, window_size=(-1, 0), plan=plan)
+    with pytest.raises(ValueError, match="head dim 64"):
+        flash_attn_varlen(q[..., :32], k[..., :32], v[..., :32], cu, 63, window_size=(24, 0), plan=plan)
+    more_docs = cu_from(MIXES["edges"] + [0])
+    with pytest.raises(ValueError, match="was not made for this call: 192 tokens, 10 documents"):
+        flash_attn_varlen(q, k, v, more_docs, 63, window_size=(24, 0), plan=plan)
 
 
 @pytest.mark.parametrize("window", list(WINDOWS.values()), ids=list(WINDOWS))

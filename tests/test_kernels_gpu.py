@@ -6,7 +6,7 @@ Run on a CUDA machine: python -m pytest -m gpu tests/test_kernels_gpu.py
 import pytest
 import torch
 
-from kernels import attention_reference, flash_attn, flash_attn_varlen
+from kernels import attention_reference, flash_attn, flash_attn_plan, flash_attn_varlen
 from kernels.op import flash_attn_varlen_fwd
 from scripts.bench_attention import document_lengths
 
@@ -42,7 +42,11 @@ def grads(fn, q, k, v, cu, dout):
 
 
 def ours(window):
-    return lambda q, k, v, cu: flash_attn_varlen_fwd(q, k, v, cu, *window, q.shape[-1] ** -0.5)
+    def run(q, k, v, cu):
+        plan = flash_attn_plan(cu, q.shape[0], q.shape[2], causal=False, window_size=window)
+        return flash_attn_varlen_fwd(q, k, v, cu, plan.tables, *window, q.shape[-1] ** -0.5)
+
+    return run
 
 
 def reference(window):
