@@ -2,9 +2,9 @@
 
 The plan op returns the tile tables of a call (`flash_attn_plan`), the forward op (out, lse) and the
 backward op (dq, dk, dv). All have fake implementations, so torch.compile traces through them without a
-graph break. Nothing in them reads device values on the host
-and no shape depends on document boundaries, so a compiled model does not recompile when the boundaries
-change between batches (with cu_seqlens of a fixed length: pad it with zero-length documents).
+graph break. Nothing in them reads device values on the host and no shape depends on document
+boundaries, so a compiled model does not recompile when the boundaries change between batches (with
+cu_seqlens of a fixed length: pad it with zero-length documents).
 """
 
 import math
