@@ -705,8 +705,11 @@ def make_plan(
     the documents, the head dim and the window, so every layer's forward and backward over the same
     documents can share one. `part` limits it to one pass ("fwd" or "bwd"), for a call of its own."""
     check_interpreter()
-    n_docs = cu_seqlens.numel() - 1
-    layout, slots_at, size = _plan_layout(T, n_docs, head_dim, window_left, window_right, part)
+    layout = _plan_layout(T, cu_seqlens.numel() - 1, head_dim, window_left, window_right, part)
+    return _fill_plan(cu_seqlens, T, head_dim, *layout)
+
+
+def _fill_plan(cu_seqlens: torch.Tensor, T: int, head_dim: int, layout, slots_at: int | None, size: int):
     plan = torch.empty(size, dtype=torch.int32, device=cu_seqlens.device)
     for launch, at, n in layout:
         tile_table(
@@ -741,17 +744,17 @@ def _planned(plan, cu_seqlens, T: int, head_dim: int, window_left: int, window_r
     """([(launch, tile table)], dS slots or None) of pass `part` from a plan of both passes, or from one
     made here for this pass alone when plan is None."""
     n_docs = cu_seqlens.numel() - 1
+    layout, slots_at, size = _plan_layout(
+        T, n_docs, head_dim, window_left, window_right, part if plan is None else None
+    )
     if plan is None:
-        plan = make_plan(cu_seqlens, T, head_dim, window_left, window_right, part)
-        layout, slots_at, _ = _plan_layout(T, n_docs, head_dim, window_left, window_right, part)
-    else:
-        layout, slots_at, size = _plan_layout(T, n_docs, head_dim, window_left, window_right, None)
-        if plan.shape != (size,) or plan.dtype != torch.int32:
-            raise ValueError(
-                f"plan {plan.dtype} {tuple(plan.shape)} was not made for this call: {T} tokens, {n_docs} "
-                f"documents, head dim {head_dim} and window ({window_left}, {window_right}) take int32 "
-                f"({size},)"
-            )
+        plan = _fill_plan(cu_seqlens, T, head_dim, layout, slots_at, size)
+    elif plan.shape != (size,) or plan.dtype != torch.int32:
+        raise ValueError(
+            f"plan {plan.dtype} {tuple(plan.shape)} was not made for this call: {T} tokens, {n_docs} "
+            f"documents, head dim {head_dim} and window ({window_left}, {window_right}) take int32 "
+            f"({size},)"
+        )
     views = [(launch, plan[at : at + 2 * n].view(2, n)) for launch, at, n in layout]
     tables = [(launch, tiles) for launch, tiles in views if launch.kernel in _PASSES[part]]
     return tables, None if slots_at is None else plan[slots_at:]
@@ -798,6 +801,7 @@ def backward(
     H_kv = k.shape[1]
     _check_launch(dout, q, k, v, out)
     tables, doc_slots = _planned(plan, cu_seqlens, T, D, window_left, window_right, "bwd")
+    store_longest, store_blocks = block_config(D)["dkdv"][0]
     left, right = _window(T, window_left, window_right)
     BLOCK_D = _padded_dim(D)
     n_docs = cu_seqlens.numel() - 1
@@ -808,8 +812,7 @@ def backward(
     ds, slots, n_slots = dq, cu_seqlens, 0  # placeholders, unread without STORE_DS
     if doc_slots is not None:
         slots = doc_slots
-        stored_longest, store_blocks = block_config(D)["dkdv"][0]
-        n_slots = _ds_slot_count(T, n_docs, stored_longest, store_blocks.m, store_blocks.n)
+        n_slots = _ds_slot_count(T, n_docs, store_longest, store_blocks.m, store_blocks.n)
         # The last query block of a document reads dq_stored's m / m slots from its first one on.
         ds = torch.empty(
             (H * n_slots + block_config(D)["dq_stored"].m // store_blocks.m, store_blocks.m, store_blocks.n),
@@ -846,7 +849,6 @@ def backward(
                 num_warps=blocks.warps, num_stages=blocks.stages,
             )
         elif launch.kernel == "dq_stored":
-            store_blocks = block_config(D)["dkdv"][0][1]
             _bwd_dq_stored_kernel[grid](
                 k, ds, slots, dq, tiles, tiles.shape[1], cu_seqlens, n_docs, T, n_slots, k.stride(0),
                 k.stride(1), dq.stride(0), dq.stride(1), H // H_kv, softmax_scale, HEAD_DIM=D,
