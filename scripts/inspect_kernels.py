@@ -4,13 +4,16 @@ the compiler made of them.
     python scripts/inspect_kernels.py [--head-dim 128] [--arch 90] [--kernels ...] [--dump DIR]
 
 For each kernel and length class of `block_config`: shared memory, registers and spill bytes (from the
-ptxas that ships with triton), the tensor-core instructions (wgmma) and the waits for them (`wait 0`
-lets no product run on past it, `wait n` leaves n groups in flight: only those can overlap the
-exponentials), and how the inner loops get their tiles (TMA or cp.async copies; neither means plain loads
-that stall). The kernels are specialised as a launch on aligned [T, H, D] bf16 tensors specialises them
-(16-byte strides, one query head per K/V head, no gradient on the LSE). Figures are those of the
-installed triton; the GPU machines run triton 3.6 (`pip install --target DIR triton==3.6.0` and put DIR
-first on PYTHONPATH to see theirs). `--json` prints one object per kernel and class instead of a table.
+ptxas that ships with triton), the tensor-core instructions (wgmma) and the waits for them (`wait 0` lets
+no product run on past it, `wait n` leaves n groups in flight: only those can overlap the exponentials),
+and how the inner loops get their tiles (TMA or cp.async copies; neither means plain loads that stall).
+`loop spills` counts the spill loads and stores (SASS, from triton's nvdisasm) inside each inner loop
+that runs tensor-core products, in code order: a kernel's total spill bytes say nothing about whether its
+hot loop touches local memory (the unmasked loop is usually the shortest one). The kernels are
+specialised as a launch on aligned [T, H, D] bf16 tensors would specialise them (16-byte strides, one
+query head per K/V head, no gradient on the LSE). Figures are those of the installed triton; the GPU
+machines run triton 3.6 (`pip install --target DIR triton==3.6.0` and put DIR first on PYTHONPATH to see
+theirs). `--json` prints one object per kernel and class instead of a table.
 """
 
 import argparse
@@ -26,6 +29,7 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "0"
 
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -89,7 +93,7 @@ def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
 
 
 def ptxas_report(ptx: str, arch: int) -> dict:
-    """Registers, spill bytes and performance warnings of ptxas -v."""
+    """Registers, spill bytes and performance warnings of ptxas -v, and the inner loops of its SASS."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "kernel.ptx")
         src.write_text(ptx)
@@ -107,6 +111,10 @@ def ptxas_report(ptx: str, arch: int) -> dict:
             text=True,
             check=True,
         ).stderr
+        disassembler = knobs.nvidia.nvdisasm.path
+        sass = subprocess.run(
+            [disassembler, "-c", str(Path(tmp, "k.cubin"))], capture_output=True, text=True, check=True
+        ).stdout
     registers = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
     warnings = sorted(set(re.findall(r"\((C\d+)\) ([^\n]*?) in the function", out)))
@@ -114,7 +122,44 @@ def ptxas_report(ptx: str, arch: int) -> dict:
         registers=int(registers.group(1)) if registers else None,
         spill_bytes=int(spills.group(1)) if spills else 0,
         warnings=[f"{code}: {text}" for code, text in warnings],
+        loops=inner_loops(sass),
     )
+
+
+INSTRUCTION = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def inner_loops(sass: str) -> list[dict]:
+    """Counts per innermost loop (a backward branch, containing no other) that runs tensor-core products,
+    in code order: instructions, products (HGMMA), exponentials (MUFU.EX2), spill loads and stores
+    (LDL/STL), and CTA barriers (BAR.SYNC)."""
+    code, labels = [], {}
+    for line in sass.splitlines():
+        if label := LABEL.match(line.strip()):
+            labels[label.group(1)] = len(code)  # the next instruction's index
+        elif ins := INSTRUCTION.search(line):
+            code.append((ins.group(1), ins.group(2)))
+    loops = []
+    for end, (op, operands) in enumerate(code):
+        target = re.search(r"`\((\.L_x_\d+)\)", operands)
+        if op == "BRA" and target and labels.get(target.group(1), end + 1) <= end:
+            loops.append((labels[target.group(1)], end))
+    rows = []
+    for start, end in sorted(loops):
+        if any(start <= a and b <= end and (a, b) != (start, end) for a, b in loops):
+            continue
+        ops = [op for op, _ in code[start : end + 1]]
+        row = dict(
+            instructions=len(ops),
+            products=sum(op.startswith("HGMMA") for op in ops),
+            exponentials=sum(op == "MUFU.EX2" for op in ops),
+            spill_ops=sum(op.split(".")[0] in ("LDL", "STL") for op in ops),
+            barriers=sum(op.startswith("BAR.SYNC") for op in ops),
+        )
+        if row["products"]:
+            rows.append(row)
+    return rows
 
 
 def inspect_kernel(
@@ -156,7 +201,7 @@ def format_row(row: dict, longest: int | None) -> str:
         f"{row['kernel']:<9} {('<= ' + str(longest)) if longest else 'longer':<8} {blocks:<18} "
         f"{row['shared_kb']:7.1f} {row['registers'] or '?':>5} {row['spill_bytes']:>6} {row['wgmma']:>6} "
         f"{row['waits_for_all']:>6} {row['waits_partial']:>6} {row['tma_loads']:>5} "
-        f"{row['cp_async_loads']:>6}"
+        f"{row['cp_async_loads']:>8} {'/'.join(str(loop['spill_ops']) for loop in row['loops']):>11}"
     )
 
 
@@ -174,7 +219,7 @@ def main():
         print(f"triton {triton.__version__}, sm_{args.arch}, head dim {args.head_dim}")
         print(
             f"{'pass':<9} {'class':<8} {'blocks':<18} {'smem KB':>7} {'regs':>5} {'spills':>6} {'wgmma':>6} "
-            f"{'wait 0':>6} {'wait n':>6} {'tma':>5} {'cp.async':>6}"
+            f"{'wait 0':>6} {'wait n':>6} {'tma':>5} {'cp.async':>8} {'loop spills':>11}"
         )
     for kernel in args.kernels:
         if kernel not in config:

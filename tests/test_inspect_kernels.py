@@ -36,3 +36,46 @@ def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
             assert row["tma_loads"] > 0, where
         else:
             assert row["cp_async_loads"] > 0, where
+        # The masked and unmasked loops are found in the SASS, each running tensor-core products.
+        assert row["loops"] and all(loop["products"] > 0 for loop in row["loops"]), where
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0020*/                   STL [R1+0x10], R2 ;
+.L_x_1:
+        /*0030*/                   MUFU.EX2 R3, R3 ;
+        /*0040*/                   HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR8], R88 ;
+        /*0050*/                   LDL.LU R2, [R1+0x10] ;
+        /*0060*/              @P3 BRA `(.L_x_1) ;
+        /*0070*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0080*/              @!P0 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0090*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*00a0*/                   LDL R5, [R1] ;
+        /*00b0*/               @P1 BRA `(.L_x_2) ;
+        /*00c0*/                   BRA `(.L_x_3) ;
+.L_x_3:
+        /*00d0*/                   EXIT ;
+"""
+
+
+def test_inner_loops_of_sass():
+    """Of three loops, the outer one holds another and the third runs no products: only the inner one counts,
+    with its four instructions (the branch included). Forward branches are not loops."""
+    # In a process of its own: the script switches triton out of the interpreter when imported.
+    code = "import json, sys, inspect_kernels as ik; print(json.dumps(ik.inner_loops(sys.stdin.read())))"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT / "scripts",
+        input=SASS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout) == [
+        dict(instructions=4, products=1, exponentials=1, spill_ops=1, barriers=0)
+    ]
