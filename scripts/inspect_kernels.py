@@ -128,6 +128,7 @@ def ptxas_report(ptx: str, arch: int) -> dict:
 
 INSTRUCTION = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 LABEL = re.compile(r"^(\.L_x_\d+):")
+BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 
 def inner_loops(sass: str) -> list[dict]:
@@ -140,11 +141,12 @@ def inner_loops(sass: str) -> list[dict]:
             labels[label.group(1)] = len(code)  # the next instruction's index
         elif ins := INSTRUCTION.search(line):
             code.append((ins.group(1), ins.group(2)))
-    loops = []
+    loops = []  # (first, last instruction) of each backward branch's body
     for end, (op, operands) in enumerate(code):
-        target = re.search(r"`\((\.L_x_\d+)\)", operands)
-        if op == "BRA" and target and labels.get(target.group(1), end + 1) <= end:
-            loops.append((labels[target.group(1)], end))
+        target = BRANCH_TARGET.search(operands)
+        start = labels.get(target.group(1)) if op == "BRA" and target else None
+        if start is not None and start <= end:
+            loops.append((start, end))
     rows = []
     for start, end in sorted(loops):
         if any(start <= a and b <= end and (a, b) != (start, end) for a, b in loops):
