@@ -10,7 +10,8 @@ one tensor, which all layers attending over the same documents can share. Docume
 length into classes with their own block sizes (block_config), one launch each. On Hopper, a class may
 stream its inner loop's tiles by TMA through ragged descriptors (triton.tools.ragged_tma): the hardware
 bounds each load to the tile's document and fills the rest with zeros, so no thread computes addresses or
-masks for those loads.
+masks for those loads. On Hopper, a class whose blocks say `gluon` runs the warp-specialised kernels of
+flash_attn_hopper (forward and dQ pass at head dim 128, causal over the whole past) on the same tile table.
 
 Query i of a document sees key j of the same document when i - left <= j <= i + right (window_size as in
 flash-attn; causal means right = 0; an unbounded side is passed as T). The kernels work in base 2:
@@ -40,6 +41,8 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged  # noqa: E402
 
+from kernels import flash_attn_hopper  # noqa: E402
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Whether triton.language was set up for the interpreter too (see the module docstring).
 _LIBRARY_INTERPRETED = isinstance(tl.sum, InterpretedFunction)
@@ -55,6 +58,9 @@ class Blocks(NamedTuple):
     # The inner loop's tiles come by TMA (Hopper's tensor memory accelerator, through a descriptor that
     # bounds each document in hardware) instead of per-thread loads, where that measured faster.
     tma: bool = False
+    # Forward and dQ pass, head dim 128: on Hopper, causal calls over the whole past run the warp-
+    # specialised Gluon kernels of flash_attn_hopper instead (a load warp, two warpgroups of m / 2 rows).
+    gluon: bool = False
 
 
 # Per kernel, (longest document, blocks) classes in increasing length; None is unbounded. Each class is
@@ -85,8 +91,8 @@ def block_config(head_dim: int) -> Config:
         }
     if head_dim <= 128:
         return {
-            "fwd": [(2048, Blocks(64, 64, 4, 3, True)), (None, Blocks(128, 128, 8, 3, True))],
-            "dq": [(None, Blocks(128, 64, 8, 3))],
+            "fwd": [(2048, Blocks(64, 64, 4, 3, True)), (None, Blocks(128, 128, 8, 3, True, True))],
+            "dq": [(None, Blocks(128, 64, 8, 3, False, True))],
             "dkdv": [(2048, Blocks(32, 64, 4, 3, True)), (None, Blocks(64, 128, 8, 2))],
             "dq_stored": Blocks(64, 64, 4, 3),
         }
@@ -776,6 +782,10 @@ def forward(q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_sc
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     for launch, tiles in tables:
         blocks = launch.blocks
+        if blocks.gluon and right == 0 and left >= T and flash_attn_hopper.supported(q, k, v):
+            qk_scale = softmax_scale * LOG2E.value
+            flash_attn_hopper.forward(q, k, v, out, lse, tiles, cu_seqlens, qk_scale, blocks)
+            continue
         k_desc, v_desc = _descriptors(blocks, blocks.n, BLOCK_D, k, v)
         _fwd_kernel[(tiles.shape[1], H)](
             q, k, v, out, lse, k_desc, v_desc, tiles, tiles.shape[1], cu_seqlens, cu_seqlens.numel() - 1, T,
@@ -819,6 +829,10 @@ def backward(
             dtype=q.dtype, device=q.device,
         )
 
+    gluon = (
+        right == 0 and left >= T and flash_attn_hopper.supported(q, k, v, dout)
+        and out.is_contiguous() and dout.is_contiguous()
+    )
     for launch, tiles in tables:
         blocks, grid = launch.blocks, (tiles.shape[1], H)
         if launch.kernel == "delta":
@@ -826,6 +840,10 @@ def backward(
                 out, dout, dlse, delta, tiles, tiles.shape[1], cu_seqlens, n_docs, T, out.stride(0),
                 out.stride(1), dout.stride(0), dout.stride(1), HEAD_DIM=D, BLOCK_D=BLOCK_D,
                 BLOCK=launch.block, HAS_DLSE=dlse is not None,
+            )
+        elif launch.kernel == "dq" and blocks.gluon and gluon:
+            flash_attn_hopper.backward_dq(
+                dout, q, k, v, out, lse, dlse, delta, dq, tiles, cu_seqlens, softmax_scale, blocks
             )
         elif launch.kernel == "dq":
             k_desc, v_desc = _descriptors(blocks, blocks.n, BLOCK_D, k, v)

@@ -37,7 +37,10 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import flash_attn as fa  # noqa: E402
+from kernels import flash_attn_hopper as fh  # noqa: E402
 
+# The classes with blocks.gluon run these warp-specialised Gluon kernels on Hopper instead.
+GLUON_KERNELS = {"fwd": fh._fwd_long_kernel, "dq": fh._dq_long_kernel}
 KERNELS = {
     "fwd": fa._fwd_kernel,
     "dq": fa._bwd_dq_kernel,
@@ -71,14 +74,34 @@ def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
         STORE_DS=stores and kernel == "dkdv" and blocks == store_blocks,
         group=1,
     )
+    return _signature(
+        fn,
+        constants,
+        lambda name: f"tensordesc<bf16[1, 1, {desc_rows}, 1, {block_d}]>" if blocks.tma else None,
+    )
+
+
+def gluon_signature(fn, blocks: fa.Blocks):
+    """(signature, constexprs, attrs) of a launch of a Gluon kernel of kernels.flash_attn_hopper."""
+    from triton.experimental.gluon import language as gl
+
+    def descriptor(name):
+        shape = [1, 1, blocks.m // 2 if name in ("q_desc", "do_desc") else blocks.n, 1, fh.HEAD_DIM]
+        return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
+
+    return _signature(fn, dict(STAGES=blocks.stages, HAS_DLSE=False), descriptor)
+
+
+def _signature(fn, constants: dict, descriptor):
+    """(signature, constexprs, attrs) of a launch on aligned tensors: `constants` holds the constexpr
+    arguments, descriptor(name) the type of a descriptor argument (None: the launch passes None)."""
     sig, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
             sig[name], constexprs[(i,)] = "constexpr", constants[name]
         elif name.endswith("_desc"):
-            if blocks.tma:
-                sig[name] = f"tensordesc<bf16[1, 1, {desc_rows}, 1, {block_d}]>"
-            else:
+            sig[name] = descriptor(name)
+            if sig[name] is None:
                 sig[name], constexprs[(i,)] = "constexpr", None
         elif name in BF16_POINTERS | FP32_POINTERS | INT32_POINTERS:
             sig[name] = "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS else "*bf16"
@@ -167,18 +190,26 @@ def inner_loops(sass: str) -> list[dict]:
 def inspect_kernel(
     kernel: str, head_dim: int, blocks: fa.Blocks, arch: int, dump: Path | None = None
 ) -> dict:
-    fn = KERNELS[kernel]
-    sig, constexprs, attrs = signature(kernel, fn, head_dim, blocks)
-    compiled = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-        target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=blocks.warps, num_stages=blocks.stages),
-    )
+    if blocks.gluon and head_dim == fh.HEAD_DIM and arch == 90:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        fn = GLUON_KERNELS[kernel]
+        sig, constexprs, attrs = gluon_signature(fn, blocks)
+        source = GluonASTSource(fn, sig, constexprs, attrs)
+        options = dict(num_warps=fh.WARPS, maxnreg=fh.MAX_REGISTERS)
+    else:
+        fn = KERNELS[kernel]
+        sig, constexprs, attrs = signature(kernel, fn, head_dim, blocks)
+        source = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+        options = dict(num_warps=blocks.warps, num_stages=blocks.stages)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     ptx = compiled.asm["ptx"]
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
-        stem = f"{kernel}_d{head_dim}_{blocks.m}x{blocks.n}_w{blocks.warps}_s{blocks.stages}" + (
-            "_tma" if blocks.tma else ""
+        stem = (
+            f"{kernel}_d{head_dim}_{blocks.m}x{blocks.n}_w{blocks.warps}_s{blocks.stages}"
+            + ("_tma" if blocks.tma else "")
+            + ("_gluon" if blocks.gluon else "")
         )
         for key in ("ttgir", "ptx"):
             (dump / f"{stem}.{key}").write_text(compiled.asm[key])
@@ -192,15 +223,16 @@ def inspect_kernel(
         waits_partial=len(waits) - waits.count(0),
         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
         cp_async_loads=len(re.findall(r"cp\.async\.c[ag]\.", ptx)),
+        register_moves=len(re.findall(r"setmaxnreg", ptx)),  # warp specialisation sharing out registers
         **ptxas_report(ptx, arch),
     )
 
 
 def format_row(row: dict, longest: int | None) -> str:
     b = row["blocks"]
-    blocks = f"{b.m}x{b.n} w{b.warps} s{b.stages}" + (" tma" if b.tma else "")
+    blocks = f"{b.m}x{b.n} w{b.warps} s{b.stages}" + (" tma" if b.tma else "") + (" gluon" if b.gluon else "")
     return (
-        f"{row['kernel']:<9} {('<= ' + str(longest)) if longest else 'longer':<8} {blocks:<18} "
+        f"{row['kernel']:<9} {('<= ' + str(longest)) if longest else 'longer':<8} {blocks:<24} "
         f"{row['shared_kb']:7.1f} {row['registers'] or '?':>5} {row['spill_bytes']:>6} {row['wgmma']:>6} "
         f"{row['waits_for_all']:>6} {row['waits_partial']:>6} {row['tma_loads']:>5} "
         f"{row['cp_async_loads']:>8} {'/'.join(str(loop['spill_ops']) for loop in row['loops']):>11}"
@@ -220,7 +252,7 @@ def main():
     if not args.json:
         print(f"triton {triton.__version__}, sm_{args.arch}, head dim {args.head_dim}")
         print(
-            f"{'pass':<9} {'class':<8} {'blocks':<18} {'smem KB':>7} {'regs':>5} {'spills':>6} {'wgmma':>6} "
+            f"{'pass':<9} {'class':<8} {'blocks':<24} {'smem KB':>7} {'regs':>5} {'spills':>6} {'wgmma':>6} "
             f"{'wait 0':>6} {'wait n':>6} {'tma':>5} {'cp.async':>8} {'loop spills':>11}"
         )
     for kernel in args.kernels:

@@ -1,0 +1,460 @@
+"""Warp-specialised forward for long documents on Hopper, in Gluon (triton.experimental.gluon).
+
+One program per (128-query tile, head), as in flash_attn's forward, with three partitions:
+- a load warp streams K and V tiles by TMA into a ring of STAGES slots, each with its own mbarriers;
+- two softmax warpgroups own 64 query rows each. They wait only on their slot's mbarrier, never on a
+  CTA-wide barrier, so one warpgroup's exponentials run while the other's products do (the overlap that
+  triton's own pipeliner, with its barrier around every TMA issue, cannot give).
+Causal over the whole past only: key blocks 0 .. the diagonal, the diagonal one masked.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.tools.ragged_tma import create_ragged_descriptor
+
+# Triton 3.6 (the GPU machines) names the TMA load async_copy_global_to_shared; later releases async_load.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+HEAD_DIM = 128
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+# Launch: the kernel's own warps are the first warpgroup; the partitions add a second warpgroup and the
+# load warp (padded to a warpgroup). At 168 registers a thread, the 384 threads hold the whole register
+# file, which the kernels' warp_specialize calls share out as 240 / 240 / 24 (setmaxnreg).
+WARPS = 4
+MAX_REGISTERS = 168
+
+
+@gluon.constexpr_function
+def _mma_layout(n):
+    """Accumulator layout of one warpgroup's [64, n] products."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _kt(smem, slot, BN: gl.constexpr, D: gl.constexpr):
+    """K (or V) of a slot, transposed: the B operand of Q K^T."""
+    return smem.index(slot).reshape([BN, D]).permute((1, 0))
+
+
+@gluon.jit
+def _ragged(start, length, row):
+    """Coordinates of row `row` of the segment [start, start + length) in a ragged descriptor
+    (triton.tools.ragged_tma): the hardware reads rows past the segment's end as zeros."""
+    billion = 0x40000000
+    return billion, start + length, billion - length + row
+
+
+@gluon.jit
+def _stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, n_blocks):
+    """K and V of key blocks 0 .. n_blocks - 1 of a segment, each into the next slot once it is free."""
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    NS: gl.constexpr = k_smem.type.shape[0]
+    for j in range(n_blocks):
+        slot = j % NS
+        # A slot's first use waits on phase 1, which a fresh mbarrier counts as complete.
+        mbarrier.wait(kv_free.index(slot), ((j // NS) & 1) ^ 1)
+        a, b, c = _ragged(start, length, j * BN)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [a, b, c, kv_head, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [a, b, c, kv_head, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _load_query_halves(desc, smem, bar, start, length, head, r0, FIRST: gl.constexpr):
+    """The two 64-row halves of a query tile into smem slots FIRST and FIRST + 1, completing on bar."""
+    HALF: gl.constexpr = desc.block_type.shape[2]
+    for h in gl.static_range(2):
+        a, b, c = _ragged(start, length, r0 + h * HALF)
+        _tma_load(desc, [a, b, c, head, 0], bar, smem.index(FIRST + h))
+
+
+@gluon.jit
+def _load_partition(args):
+    """One warp: Q once, then K and V of each key block."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, Lse,
+     start, length, head, kv_head, r0, n_blocks, T, stride_ot, qk_scale) = args
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    _load_query_halves(q_desc, q_smem, q_bar, start, length, head, r0, 0)
+    _stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, n_blocks)
+
+
+@gluon.jit
+def _softmax_partition(args, HALF_INDEX: gl.constexpr):
+    """One warpgroup: online softmax of its 64 query rows over the key blocks, then out and lse."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, Lse,
+     start, length, head, kv_head, r0, n_blocks, T, stride_ot, qk_scale) = args
+    HALF: gl.constexpr = q_desc.block_type.shape[2]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    D: gl.constexpr = k_desc.block_type.shape[4]
+    NS: gl.constexpr = k_smem.type.shape[0]
+    mma: gl.constexpr = _mma_layout(BN)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma)
+
+    rows = r0 + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_layout)
+    q = q_smem.index(HALF_INDEX).reshape([HALF, D])
+    zeros = gl.zeros([HALF, BN], gl.float32, mma)
+    mbarrier.wait(q_bar, 0)
+
+    # Block 0 alone; then each step issues S = Q K^T of block j and P V of block j - 1 together, and
+    # computes block j's softmax while P V runs (FlashAttention-3's overlap within a warpgroup).
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, _kt(k_smem, 0, BN, D), zeros, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    s = _mask_diagonal(s, rows, 0, n_blocks, BN, col_layout)
+    m_i = gl.max(s, 1) * qk_scale
+    p = gl.exp2(s * qk_scale - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    # The loop carries acc as an accumulator that a product may still be writing.
+    acc = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma))
+    for j in range(1, n_blocks):
+        slot = j % NS
+        prev = (j - 1) % NS
+        mbarrier.wait(k_ready.index(slot), (j // NS) & 1)
+        s = warpgroup_mma(q, _kt(k_smem, slot, BN, D), zeros, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // NS) & 1)
+        acc = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        s = _mask_diagonal(s, rows, j, n_blocks, BN, col_layout)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_free.index(prev), count=1)
+        acc = warpgroup_mma_init(acc * alpha[:, None])
+    last = (n_blocks - 1) % NS
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NS) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(kv_free.index(last), count=1)
+
+    out = acc / l_i[:, None]
+    cols_d = gl.arange(0, D, layout=col_layout)
+    offs = (start + rows).to(gl.int64)[:, None] * stride_ot + head * D + cols_d[None, :]
+    gl.store(Out + offs, out.to(Out.dtype.element_ty), mask=(rows < length)[:, None])
+    lse = (m_i + gl.log2(l_i)) * LN2
+    gl.store(Lse + head * T + start + rows, lse, mask=rows < length)
+
+
+@gluon.jit
+def _mask_diagonal(s, rows, j, n_blocks, BN: gl.constexpr, col_layout: gl.constexpr):
+    """Causal mask on the last key block, the only one that holds keys after some query of the tile."""
+    if j == n_blocks - 1:
+        cols = j * BN + gl.arange(0, BN, layout=col_layout)
+        s = gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _second_softmax_partition(args):
+    _softmax_partition(args, 1)
+
+
+@gluon.jit
+def _tile(tiles, n_tiles, cu_seqlens, n_docs, T, BM: gl.constexpr, BN: gl.constexpr):
+    """(segment, first token, length, first row, key blocks to visit) of this program's query tile; the
+    segment is -1 for the table's unused entries, and the tail past the last document visits no keys."""
+    tile = gl.program_id(0)
+    segment = gl.load(tiles + tile)
+    block = gl.load(tiles + n_tiles + tile)
+    start = gl.load(cu_seqlens + gl.maximum(segment, 0))
+    end = gl.load(cu_seqlens + gl.minimum(segment + 1, n_docs), mask=segment < n_docs, other=T)
+    length = end - start
+    r0 = block * BM
+    return segment, start, length, r0, gl.cdiv(gl.minimum(r0 + BM, gl.where(segment < n_docs, length, 0)), BN)
+
+
+@gluon.jit
+def _kv_ring(k_desc, v_desc, STAGES: gl.constexpr):
+    """The K and V slots and their mbarriers (ready: the load landed; free: both warpgroups are done with
+    the slot), and one mbarrier for the query-side tiles."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=2)
+    return k_smem, v_smem, q_bar, k_ready, v_ready, kv_free
+
+
+@gluon.jit
+def _fwd_long_kernel(
+    q_desc, k_desc, v_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, group, qk_scale,
+    STAGES: gl.constexpr,
+):
+    HALF: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = k_desc.block_type.shape[4]
+    segment, start, q_len, r0, n_blocks = _tile(
+        tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, k_desc.block_type.shape[2]
+    )
+    if segment < 0:
+        return
+    head = gl.program_id(1)
+    if n_blocks == 0:
+        _store_empty(Out, Lse, start + r0, head, stride_ot, head * T + start, r0, q_len, 2 * HALF, D)
+        return
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = _kv_ring(k_desc, v_desc, STAGES)
+
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, Lse,
+            start, q_len, head, head // group, r0, n_blocks, T, stride_ot, qk_scale)
+    gl.warp_specialize([
+        (_softmax_partition, (args, 0)),
+        (_second_softmax_partition, (args, )),
+        (_load_partition, (args, )),
+    ], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _store_empty(Out, Lse, row0, head, stride_ot, lse_off, r0, q_len, BM: gl.constexpr, D: gl.constexpr):
+    """Rows with nothing to attend to (the tail past the last document): out = 0, lse = -inf."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ok = r0 + rows < q_len
+    offs = (row0 + rows).to(gl.int64)[:, None] * stride_ot + head * D + cols[None, :]
+    gl.store(Out + offs, gl.zeros([BM, D], Out.dtype.element_ty, layout), mask=ok[:, None])
+    lse_rows = gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
+    minus_inf = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(0, layout))
+    gl.store(Lse + lse_off + r0 + lse_rows, minus_inf, mask=r0 + lse_rows < q_len)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# dQ of long documents: the same partitions, with Q and dO held and dQ += dS K accumulated over key blocks
+
+
+@gluon.jit
+def _dq_load_partition(args):
+    """One warp: Q and dO once, then K and V of each key block."""
+    (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, dOut,
+     Lse, dLse, Delta, dQ, start, length, head, kv_head, r0, n_blocks, T, stride_t, qk_scale, sm_scale) = args
+    mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
+    _load_query_halves(q_desc, qdo_smem, q_bar, start, length, head, r0, 0)
+    _load_query_halves(do_desc, qdo_smem, q_bar, start, length, head, r0, 2)
+    _stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, n_blocks)
+
+
+@gluon.jit
+def _row_delta(Out, dOut, dLse, Delta, rows, row0, head, length, T, stride_t, D: gl.constexpr,
+               HAS_DLSE: gl.constexpr, layout: gl.constexpr):
+    """delta = rowsum(dO * O) - dlse of the given rows, stored for the dK/dV pass and returned (fp32)."""
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ok = rows < length
+    offs = (row0 + rows).to(gl.int64)[:, None] * stride_t + head * D + cols[None, :]
+    do = gl.load(dOut + offs, mask=ok[:, None], other=0.0).to(gl.float32)
+    o = gl.load(Out + offs, mask=ok[:, None], other=0.0).to(gl.float32)
+    delta = gl.sum(do * o, 1)
+    if HAS_DLSE:
+        delta -= gl.load(dLse + head * T + row0 + rows, mask=ok, other=0.0)
+    gl.store(Delta + head * T + row0 + rows, delta, mask=ok)
+    return delta
+
+
+@gluon.jit
+def _dq_partition(args, HALF_INDEX: gl.constexpr, HAS_DLSE: gl.constexpr):
+    """One warpgroup: dQ of its 64 query rows, dQ = sum over key blocks of dS K with P = exp2(S - lse) and
+    dS = P (dO V^T - delta). While dS K of a block runs, the next block's S and dP are computed."""
+    (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, dOut,
+     Lse, dLse, Delta, dQ, start, length, head, kv_head, r0, n_blocks, T, stride_t, qk_scale, sm_scale) = args
+    HALF: gl.constexpr = q_desc.block_type.shape[2]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    D: gl.constexpr = k_desc.block_type.shape[4]
+    NS: gl.constexpr = k_smem.type.shape[0]
+    mma_s: gl.constexpr = _mma_layout(BN)
+    mma_d: gl.constexpr = _mma_layout(D)
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_s)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_s)
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    first = r0 + HALF_INDEX * HALF
+    delta = _row_delta(Out, dOut, dLse, Delta, first + gl.arange(0, HALF, layout=gl.SliceLayout(1, blocked)),
+                       start, head, length, T, stride_t, D, HAS_DLSE, blocked)
+    delta = gl.convert_layout(delta, row_layout)
+    rows = first + gl.arange(0, HALF, layout=row_layout)
+    # Rows past the document's end get lse = +inf, so P = 0 there (their Q and dO tiles read as zeros).
+    lse = gl.load(Lse + head * T + start + rows, mask=rows < length, other=float("inf")) * LOG2E
+    q = qdo_smem.index(HALF_INDEX).reshape([HALF, D])
+    do = qdo_smem.index(2 + HALF_INDEX).reshape([HALF, D])
+    zeros = gl.zeros([HALF, BN], gl.float32, mma_s)
+    mbarrier.wait(q_bar, 0)
+
+    mbarrier.wait(k_ready.index(0), 0)
+    mbarrier.wait(v_ready.index(0), 0)
+    s = warpgroup_mma(q, _kt(k_smem, 0, BN, D), zeros, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do, _kt(v_smem, 0, BN, D), zeros, use_acc=False, is_async=True)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    ds = _dq_scores(s, dp, lse, delta, rows, 0, r0, BN, qk_scale, col_layout, ds_layout, k_smem.dtype)
+    dq = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_d))
+    for j in range(1, n_blocks):
+        slot = j % NS
+        prev = (j - 1) % NS
+        phase = (j // NS) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        s = warpgroup_mma(q, _kt(k_smem, slot, BN, D), zeros, use_acc=False,
+                          is_async=True)
+        mbarrier.wait(v_ready.index(slot), phase)
+        dp = warpgroup_mma(do, _kt(v_smem, slot, BN, D), zeros, use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma(ds, k_smem.index(prev).reshape([BN, D]), dq, is_async=True)
+        s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))
+        ds = _dq_scores(s, dp, lse, delta, rows, j, r0, BN, qk_scale, col_layout, ds_layout, k_smem.dtype)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        mbarrier.arrive(kv_free.index(prev), count=1)
+        dq = warpgroup_mma_init(dq)
+    last = (n_blocks - 1) % NS
+    dq = warpgroup_mma(ds, k_smem.index(last).reshape([BN, D]), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    mbarrier.arrive(kv_free.index(last), count=1)
+
+    rows_d = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_d))
+    cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, mma_d))
+    offs = (start + rows_d).to(gl.int64)[:, None] * stride_t + head * D + cols_d[None, :]
+    gl.store(dQ + offs, (dq * sm_scale).to(dQ.dtype.element_ty), mask=(rows_d < length)[:, None])
+
+
+@gluon.jit
+def _dq_scores(s, dp, lse, delta, rows, j, r0, BN: gl.constexpr, qk_scale, col_layout: gl.constexpr,
+               ds_layout: gl.constexpr, dtype: gl.constexpr):
+    """dS of key block j as the A operand of dS K; key blocks from the tile's first row on need the
+    causal mask."""
+    p = gl.exp2(s * qk_scale - lse[:, None])
+    if (j + 1) * BN > r0:
+        cols = j * BN + gl.arange(0, BN, layout=col_layout)
+        p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+    ds = p * (dp - delta[:, None])
+    return gl.convert_layout(ds.to(dtype), ds_layout)
+
+
+@gluon.jit
+def _dq_second_partition(args):
+    _dq_partition(args, 1, False)
+
+
+@gluon.jit
+def _dq_second_partition_dlse(args):
+    _dq_partition(args, 1, True)
+
+
+@gluon.jit
+def _dq_long_kernel(
+    q_desc, do_desc, k_desc, v_desc, Out, dOut, Lse, dLse, Delta, dQ, tiles, n_tiles, cu_seqlens, n_docs, T,
+    stride_t, group, qk_scale, sm_scale, HAS_DLSE: gl.constexpr, STAGES: gl.constexpr,
+):
+    HALF: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = k_desc.block_type.shape[4]
+    segment, start, length, r0, n_blocks = _tile(
+        tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, k_desc.block_type.shape[2]
+    )
+    if segment < 0:
+        return
+    head = gl.program_id(1)
+    if n_blocks == 0:
+        _dq_empty(Out, dOut, dLse, Delta, dQ, start, head, r0, length, T, stride_t, 2 * HALF, D, HAS_DLSE)
+        return
+
+    qdo_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
+    k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = _kv_ring(k_desc, v_desc, STAGES)
+
+    args = (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out,
+            dOut, Lse, dLse, Delta, dQ, start, length, head, head // group, r0, n_blocks, T, stride_t,
+            qk_scale, sm_scale)
+    if HAS_DLSE:
+        gl.warp_specialize([
+            (_dq_partition, (args, 0, True)),
+            (_dq_second_partition_dlse, (args, )),
+            (_dq_load_partition, (args, )),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_dq_partition, (args, 0, False)),
+            (_dq_second_partition, (args, )),
+            (_dq_load_partition, (args, )),
+        ], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _dq_empty(Out, dOut, dLse, Delta, dQ, start, head, r0, length, T, stride_t, BM: gl.constexpr,
+              D: gl.constexpr, HAS_DLSE: gl.constexpr):
+    """Rows with nothing to attend to (the tail past the last document): dQ = 0, and their delta."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    _row_delta(Out, dOut, dLse, Delta, rows, start, head, length, T, stride_t, D, HAS_DLSE, layout)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    offs = (start + rows).to(gl.int64)[:, None] * stride_t + head * D + cols[None, :]
+    gl.store(dQ + offs, gl.zeros([BM, D], dQ.dtype.element_ty, layout), mask=(rows < length)[:, None])
+
+
+def supported(*tensors: torch.Tensor) -> bool:
+    """Whether these kernels can read these [T, H, D] tensors by TMA: a Hopper GPU, 16-bit, head dim 128,
+    16-byte aligned bases and token/head strides."""
+    q = tensors[0]
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != HEAD_DIM:
+        return False
+    return all(
+        x.data_ptr() % 16 == 0 and x.stride(2) == 1 and all(stride * 2 % 16 == 0 for stride in x.stride()[:2])
+        for x in tensors
+    )
+
+
+def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Ragged TMA descriptor of a [T, H, D] tensor for [rows, D] tiles of one head and one segment."""
+    ragged = create_ragged_descriptor(x, [rows, 1, x.shape[2]])
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(ragged.block_shape, dtype)
+    return TensorDescriptor(x, ragged.shape, ragged.strides, ragged.block_shape, layout)
+
+
+def forward(q, k, v, out, lse, tiles, cu_seqlens, qk_scale: float, blocks) -> None:
+    """Writes out [T, H, D] and lse [H, T] (as flash_attn.forward) for the query tiles of `tiles`, whose
+    blocks are blocks.m rows; qk_scale is softmax_scale * log2(e)."""
+    T, H, D = q.shape
+    if (blocks.m, blocks.n, blocks.warps) != (128, HEAD_DIM, 8):
+        raise ValueError(f"the Gluon forward runs 128-key blocks and two 64-row warpgroups, not {blocks}")
+    n_tiles = tiles.shape[1]
+    _fwd_long_kernel[(n_tiles, H)](
+        _descriptor(q, blocks.m // 2), _descriptor(k, blocks.n), _descriptor(v, blocks.n), out, lse, tiles,
+        n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H // k.shape[1], qk_scale,
+        STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+    )
+
+
+def backward_dq(dout, q, k, v, out, lse, dlse, delta, dq, tiles, cu_seqlens, softmax_scale: float, blocks):
+    """Writes dq [T, H, D] and delta [H, T] (as flash_attn's dQ pass) for the query tiles of `tiles`."""
+    T, H, D = q.shape
+    if (blocks.m, blocks.n, blocks.warps) != (128, 64, 8):
+        raise ValueError(f"the Gluon dQ pass runs 64-key blocks and two 64-row warpgroups, not {blocks}")
+    if not (out.is_contiguous() and dout.is_contiguous() and dq.is_contiguous()):
+        raise ValueError("the Gluon dQ pass takes contiguous out, dout and dq")
+    n_tiles = tiles.shape[1]
+    _dq_long_kernel[(n_tiles, H)](
+        _descriptor(q, blocks.m // 2), _descriptor(dout, blocks.m // 2), _descriptor(k, blocks.n),
+        _descriptor(v, blocks.n), out, dout, lse, lse if dlse is None else dlse, delta, dq, tiles, n_tiles,
+        cu_seqlens, cu_seqlens.numel() - 1, T, dq.stride(0), H // k.shape[1], softmax_scale * LOG2E.value,
+        softmax_scale, HAS_DLSE=dlse is not None, STAGES=blocks.stages, num_warps=WARPS,
+        maxnreg=MAX_REGISTERS,
+    )
