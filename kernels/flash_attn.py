@@ -783,8 +783,7 @@ def forward(q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_sc
     for launch, tiles in tables:
         blocks = launch.blocks
         if blocks.gluon and right == 0 and left >= T and flash_attn_hopper.supported(q, k, v):
-            qk_scale = softmax_scale * LOG2E.value
-            flash_attn_hopper.forward(q, k, v, out, lse, tiles, cu_seqlens, qk_scale, blocks)
+            flash_attn_hopper.forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale, blocks)
             continue
         k_desc, v_desc = _descriptors(blocks, blocks.n, BLOCK_D, k, v)
         _fwd_kernel[(tiles.shape[1], H)](

@@ -1,11 +1,12 @@
-"""Warp-specialised forward for long documents on Hopper, in Gluon (triton.experimental.gluon).
+"""Warp-specialised forward and dQ pass for long documents on Hopper, in Gluon (triton.experimental.gluon).
 
-One program per (128-query tile, head), as in flash_attn's forward, with three partitions:
+One program per (128-query tile, head), on flash_attn's tile tables, with three partitions:
 - a load warp streams K and V tiles by TMA into a ring of STAGES slots, each with its own mbarriers;
-- two softmax warpgroups own 64 query rows each. They wait only on their slot's mbarrier, never on a
-  CTA-wide barrier, so one warpgroup's exponentials run while the other's products do (the overlap that
-  triton's own pipeliner, with its barrier around every TMA issue, cannot give).
-Causal over the whole past only: key blocks 0 .. the diagonal, the diagonal one masked.
+- two warpgroups own 64 query rows each. They wait only on their slot's mbarriers, never on a CTA-wide
+  barrier (triton's own pipeliner puts one around every TMA issue), and each issues the next key block's
+  products before the current block's exponentials, so those run under a product (FlashAttention-3's
+  overlap within a warpgroup).
+Head dim 128, causal over the whole past only: key blocks 0 .. the diagonal, the last ones masked.
 """
 
 import torch
@@ -429,17 +430,17 @@ def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(x, ragged.shape, ragged.strides, ragged.block_shape, layout)
 
 
-def forward(q, k, v, out, lse, tiles, cu_seqlens, qk_scale: float, blocks) -> None:
+def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks) -> None:
     """Writes out [T, H, D] and lse [H, T] (as flash_attn.forward) for the query tiles of `tiles`, whose
-    blocks are blocks.m rows; qk_scale is softmax_scale * log2(e)."""
+    blocks are blocks.m rows."""
     T, H, D = q.shape
     if (blocks.m, blocks.n, blocks.warps) != (128, HEAD_DIM, 8):
         raise ValueError(f"the Gluon forward runs 128-key blocks and two 64-row warpgroups, not {blocks}")
     n_tiles = tiles.shape[1]
     _fwd_long_kernel[(n_tiles, H)](
         _descriptor(q, blocks.m // 2), _descriptor(k, blocks.n), _descriptor(v, blocks.n), out, lse, tiles,
-        n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H // k.shape[1], qk_scale,
-        STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+        n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H // k.shape[1],
+        softmax_scale * LOG2E.value, STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )
 
 
