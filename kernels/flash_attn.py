@@ -91,9 +91,9 @@ def block_config(head_dim: int) -> Config:
         }
     if head_dim <= 128:
         return {
-            "fwd": [(2048, Blocks(64, 64, 4, 3, True)), (None, Blocks(128, 128, 8, 3, True, True))],
+            "fwd": [(None, Blocks(128, 128, 8, 3, True, True))],
             "dq": [(None, Blocks(128, 64, 8, 3, False, True))],
-            "dkdv": [(2048, Blocks(32, 64, 4, 3, True)), (None, Blocks(64, 128, 8, 2))],
+            "dkdv": [(2048, Blocks(32, 64, 4, 3, True)), (None, Blocks(64, 128, 8, 2, False, True))],
             "dq_stored": Blocks(64, 64, 4, 3),
         }
     return {
@@ -834,6 +834,7 @@ def backward(
     )
     for launch, tiles in tables:
         blocks, grid = launch.blocks, (tiles.shape[1], H)
+        store_ds = doc_slots is not None and launch.shortest == 0  # the dK/dV class whose dS dq_stored reads
         if launch.kernel == "delta":
             _bwd_delta_kernel[grid](
                 out, dout, dlse, delta, tiles, tiles.shape[1], cu_seqlens, n_docs, T, out.stride(0),
@@ -854,6 +855,10 @@ def backward(
                 BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=blocks.n, HAS_DLSE=dlse is not None,
                 TMA=k_desc is not None, num_warps=blocks.warps, num_stages=blocks.stages,
             )
+        elif launch.kernel == "dkdv" and blocks.gluon and gluon and not store_ds:
+            flash_attn_hopper.backward_dkdv(
+                dout, q, k, v, lse, delta, dk, dv, tiles, cu_seqlens, softmax_scale, blocks
+            )
         elif launch.kernel == "dkdv":
             q_desc, do_desc = _descriptors(blocks, blocks.m, BLOCK_D, q, dout)
             _bwd_dkdv_kernel[(tiles.shape[1], H_kv)](
@@ -862,7 +867,7 @@ def backward(
                 v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1),
                 dv.stride(0), dv.stride(1), H // H_kv, left, right, softmax_scale * LOG2E.value,
                 softmax_scale, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=blocks.n,
-                TMA=q_desc is not None, STORE_DS=doc_slots is not None and launch.shortest == 0,
+                TMA=q_desc is not None, STORE_DS=store_ds,
                 num_warps=blocks.warps, num_stages=blocks.stages,
             )
         elif launch.kernel == "dq_stored":

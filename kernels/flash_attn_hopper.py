@@ -1,12 +1,15 @@
-"""Warp-specialised forward and dQ pass for long documents on Hopper, in Gluon (triton.experimental.gluon).
+"""Warp-specialised passes for long documents on Hopper, in Gluon (triton.experimental.gluon): the forward,
+the dQ pass and the dK/dV pass.
 
-One program per (128-query tile, head), on flash_attn's tile tables, with three partitions:
-- a load warp streams K and V tiles by TMA into a ring of STAGES slots, each with its own mbarriers;
-- two warpgroups own 64 query rows each. They wait only on their slot's mbarriers, never on a CTA-wide
-  barrier (triton's own pipeliner puts one around every TMA issue), and each issues the next key block's
-  products before the current block's exponentials, so those run under a product (FlashAttention-3's
-  overlap within a warpgroup).
-Head dim 128, causal over the whole past only: key blocks 0 .. the diagonal, the last ones masked.
+Each program takes one tile of flash_attn's tile tables and runs three partitions:
+- a load warp streams tiles by TMA into a ring of STAGES slots, each with its own mbarriers: K and V for
+  the forward and dQ pass (one program per 128-query tile and head), Q and dO for the dK/dV pass (one
+  program per 128-key tile and kv head);
+- two warpgroups own 64 of the tile's rows each. They wait only on their slot's mbarriers, never on a
+  CTA-wide barrier (triton's own pipeliner puts one around every TMA issue). In the forward and dQ pass
+  each issues the next key block's products before the current block's exponentials, so those run under
+  a product (FlashAttention-3's overlap within a warpgroup).
+Head dim 128, causal over the whole past only: the blocks up to the diagonal, the last ones masked.
 """
 
 import torch
@@ -56,24 +59,28 @@ def _ragged(start, length, row):
 
 
 @gluon.jit
-def _stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, n_blocks):
-    """K and V of key blocks 0 .. n_blocks - 1 of a segment, each into the next slot once it is free."""
-    BN: gl.constexpr = k_desc.block_type.shape[2]
-    NS: gl.constexpr = k_smem.type.shape[0]
-    for j in range(n_blocks):
+def _stream_pairs(a_desc, b_desc, a_smem, b_smem, a_ready, b_ready, free, start, length, head, lo, hi, j0):
+    """Blocks lo .. hi - 1 of two tensors of a segment (K and V, or Q and dO), each pair into the next
+    ring slot once it is free. j0 pairs went through the ring before; returns the count after these."""
+    BLOCK: gl.constexpr = a_desc.block_type.shape[2]
+    NS: gl.constexpr = a_smem.type.shape[0]
+    for i in range(lo, hi):
+        j = j0 + i - lo
         slot = j % NS
         # A slot's first use waits on phase 1, which a fresh mbarrier counts as complete.
-        mbarrier.wait(kv_free.index(slot), ((j // NS) & 1) ^ 1)
-        a, b, c = _ragged(start, length, j * BN)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [a, b, c, kv_head, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [a, b, c, kv_head, 0], v_ready.index(slot), v_smem.index(slot))
+        mbarrier.wait(free.index(slot), ((j // NS) & 1) ^ 1)
+        a, b, c = _ragged(start, length, i * BLOCK)
+        mbarrier.expect(a_ready.index(slot), a_desc.block_type.nbytes)
+        _tma_load(a_desc, [a, b, c, head, 0], a_ready.index(slot), a_smem.index(slot))
+        mbarrier.expect(b_ready.index(slot), b_desc.block_type.nbytes)
+        _tma_load(b_desc, [a, b, c, head, 0], b_ready.index(slot), b_smem.index(slot))
+    return j0 + hi - lo
 
 
 @gluon.jit
-def _load_query_halves(desc, smem, bar, start, length, head, r0, FIRST: gl.constexpr):
-    """The two 64-row halves of a query tile into smem slots FIRST and FIRST + 1, completing on bar."""
+def _load_halves(desc, smem, bar, start, length, head, r0, FIRST: gl.constexpr):
+    """The two halves (the descriptor's rows each) of a tile from row r0 on into smem slots FIRST and
+    FIRST + 1, completing on bar."""
     HALF: gl.constexpr = desc.block_type.shape[2]
     for h in gl.static_range(2):
         a, b, c = _ragged(start, length, r0 + h * HALF)
@@ -86,8 +93,10 @@ def _load_partition(args):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, Lse,
      start, length, head, kv_head, r0, n_blocks, T, stride_ot, qk_scale) = args
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    _load_query_halves(q_desc, q_smem, q_bar, start, length, head, r0, 0)
-    _stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, n_blocks)
+    _load_halves(q_desc, q_smem, q_bar, start, length, head, r0, 0)
+    _stream_pairs(
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, 0, n_blocks, 0
+    )
 
 
 @gluon.jit
@@ -169,8 +178,9 @@ def _second_softmax_partition(args):
 
 @gluon.jit
 def _tile(tiles, n_tiles, cu_seqlens, n_docs, T, BM: gl.constexpr, BN: gl.constexpr):
-    """(segment, first token, length, first row, key blocks to visit) of this program's query tile; the
-    segment is -1 for the table's unused entries, and the tail past the last document visits no keys."""
+    """(segment, first token, length, first row, blocks of BN rows up to the tile's last row) of this
+    program's tile of BM rows: for a query tile, the key blocks it visits. The segment is -1 for the
+    table's unused entries, and the tail past the last document visits no blocks."""
     tile = gl.program_id(0)
     segment = gl.load(tiles + tile)
     block = gl.load(tiles + n_tiles + tile)
@@ -182,21 +192,22 @@ def _tile(tiles, n_tiles, cu_seqlens, n_docs, T, BM: gl.constexpr, BN: gl.conste
 
 
 @gluon.jit
-def _kv_ring(k_desc, v_desc, STAGES: gl.constexpr):
-    """The K and V slots and their mbarriers (ready: the load landed; free: both warpgroups are done with
-    the slot), and one mbarrier for the query-side tiles."""
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+def _ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """A ring of STAGES slots for pairs of tiles (K and V, or Q and dO) and their mbarriers (ready: the
+    load landed; free: both warpgroups are done with the slot), and one more mbarrier for the tiles
+    that are loaded once."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(once, count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=2)
-    return k_smem, v_smem, q_bar, k_ready, v_ready, kv_free
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)
+    return a_smem, b_smem, once, a_ready, b_ready, free
 
 
 @gluon.jit
@@ -213,11 +224,11 @@ def _fwd_long_kernel(
         return
     head = gl.program_id(1)
     if n_blocks == 0:
-        _store_empty(Out, Lse, start + r0, head, stride_ot, head * T + start, r0, q_len, 2 * HALF, D)
+        _store_empty(Out, Lse, start, head, stride_ot, T, r0, q_len, 2 * HALF, D)
         return
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = _kv_ring(k_desc, v_desc, STAGES)
+    k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = _ring(k_desc, v_desc, STAGES)
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, Lse,
             start, q_len, head, head // group, r0, n_blocks, T, stride_ot, qk_scale)
@@ -229,17 +240,24 @@ def _fwd_long_kernel(
 
 
 @gluon.jit
-def _store_empty(Out, Lse, row0, head, stride_ot, lse_off, r0, q_len, BM: gl.constexpr, D: gl.constexpr):
+def _store_empty(Out, Lse, start, head, stride_ot, T, r0, q_len, BM: gl.constexpr, D: gl.constexpr):
     """Rows with nothing to attend to (the tail past the last document): out = 0, lse = -inf."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    ok = r0 + rows < q_len
-    offs = (row0 + rows).to(gl.int64)[:, None] * stride_ot + head * D + cols[None, :]
-    gl.store(Out + offs, gl.zeros([BM, D], Out.dtype.element_ty, layout), mask=ok[:, None])
-    lse_rows = gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
+    _store_zeros(Out, start, r0, q_len, head, stride_ot, BM, D, layout)
+    rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
     minus_inf = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(0, layout))
-    gl.store(Lse + lse_off + r0 + lse_rows, minus_inf, mask=r0 + lse_rows < q_len)
+    gl.store(Lse + head * T + start + rows, minus_inf, mask=rows < q_len)
+
+
+@gluon.jit
+def _store_zeros(X, start, r0, length, head, stride_t, BM: gl.constexpr, D: gl.constexpr,
+                 layout: gl.constexpr):
+    """Zeros into rows r0 .. r0 + BM - 1 (those before `length`) of the segment from token `start` of
+    one head of a [T, H, D] tensor."""
+    rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    offs = (start + rows).to(gl.int64)[:, None] * stride_t + head * D + cols[None, :]
+    gl.store(X + offs, gl.zeros([BM, D], X.dtype.element_ty, layout), mask=(rows < length)[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -252,9 +270,11 @@ def _dq_load_partition(args):
     (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, dOut,
      Lse, dLse, Delta, dQ, start, length, head, kv_head, r0, n_blocks, T, stride_t, qk_scale, sm_scale) = args
     mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
-    _load_query_halves(q_desc, qdo_smem, q_bar, start, length, head, r0, 0)
-    _load_query_halves(do_desc, qdo_smem, q_bar, start, length, head, r0, 2)
-    _stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, n_blocks)
+    _load_halves(q_desc, qdo_smem, q_bar, start, length, head, r0, 0)
+    _load_halves(do_desc, qdo_smem, q_bar, start, length, head, r0, 2)
+    _stream_pairs(
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, 0, n_blocks, 0
+    )
 
 
 @gluon.jit
@@ -377,7 +397,7 @@ def _dq_long_kernel(
         return
 
     qdo_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
-    k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = _kv_ring(k_desc, v_desc, STAGES)
+    k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = _ring(k_desc, v_desc, STAGES)
 
     args = (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out,
             dOut, Lse, dLse, Delta, dQ, start, length, head, head // group, r0, n_blocks, T, stride_t,
@@ -403,9 +423,134 @@ def _dq_empty(Out, dOut, dLse, Delta, dQ, start, head, r0, length, T, stride_t, 
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     _row_delta(Out, dOut, dLse, Delta, rows, start, head, length, T, stride_t, D, HAS_DLSE, layout)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    offs = (start + rows).to(gl.int64)[:, None] * stride_t + head * D + cols[None, :]
-    gl.store(dQ + offs, gl.zeros([BM, D], dQ.dtype.element_ty, layout), mask=(rows < length)[:, None])
+    _store_zeros(dQ, start, r0, length, head, stride_t, BM, D, layout)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# dK and dV of long documents: one program per (128-key tile, kv head); each warpgroup owns 64 of its keys
+# and accumulates their dK and dV over the query blocks that the load warp streams
+
+
+@gluon.jit
+def _dkdv_load_partition(args):
+    """One warp: K and V of the tile once, then Q and dO of each query block of each head of the group."""
+    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, kv_bar, q_ready, do_ready, qdo_free, Lse,
+     Delta, dK, dV, start, length, kv_head, group, c0, q_lo, n_q, T, stride_kvt, qk_scale, sm_scale) = args
+    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    _load_halves(k_desc, kv_smem, kv_bar, start, length, kv_head, c0, 0)
+    _load_halves(v_desc, kv_smem, kv_bar, start, length, kv_head, c0, 2)
+    j = 0
+    for h in range(group):
+        j = _stream_pairs(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, qdo_free, start, length,
+                          kv_head * group + h, q_lo, n_q, j)
+
+
+@gluon.jit
+def _dkdv_partition(args, WG: gl.constexpr):
+    """Warpgroup WG: dV = sum over query blocks of P^T dO and dK = sum of dS^T Q for keys
+    c0 + 64 WG .. c0 + 64 WG + 63, computed transposed ([keys, queries]) so that the keys stay rows."""
+    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, kv_bar, q_ready, do_ready, qdo_free, Lse,
+     Delta, dK, dV, start, length, kv_head, group, c0, q_lo, n_q, T, stride_kvt, qk_scale, sm_scale) = args
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    HALF: gl.constexpr = k_desc.block_type.shape[2]
+    D: gl.constexpr = k_desc.block_type.shape[4]
+    NS: gl.constexpr = q_smem.type.shape[0]
+    mma_s: gl.constexpr = _mma_layout(BM)
+    mma_d: gl.constexpr = _mma_layout(D)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
+    query_layout: gl.constexpr = gl.SliceLayout(0, mma_s)
+    vector: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+
+    first_key = c0 + WG * HALF
+    keys = first_key + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_s))
+    k = kv_smem.index(WG).reshape([HALF, D])
+    v = kv_smem.index(2 + WG).reshape([HALF, D])
+    zeros = gl.zeros([HALF, BM], gl.float32, mma_s)
+    dk = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_d))
+    dv = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_d))
+    mbarrier.wait(kv_bar, 0)
+    j = 0
+    for h in range(group):
+        head = kv_head * group + h
+        if WG == 1:
+            # These keys come after every query of the first query block. The wait keeps this warpgroup
+            # from freeing a slot twice before the other has used it once.
+            mbarrier.wait(q_ready.index(j % NS), (j // NS) & 1)
+            mbarrier.arrive(qdo_free.index(j % NS), count=1)
+            j += 1
+        for qb in range(q_lo + WG, n_q):
+            slot = j % NS
+            phase = (j // NS) & 1
+            q = q_smem.index(slot).reshape([BM, D])
+            do = do_smem.index(slot).reshape([BM, D])
+            mbarrier.wait(q_ready.index(slot), phase)
+            s = warpgroup_mma(k, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(slot), phase)
+            dp = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            # Queries past the document's end get lse = +inf, so P = 0 there (their tiles read as zeros).
+            # Loaded one per thread and spread to the product's columns only once they are needed: in
+            # that layout each thread holds 16 of them, registers the accumulators need.
+            queries = qb * BM + gl.arange(0, BM, layout=vector)
+            ok = queries < length
+            lse = gl.load(Lse + head * T + start + queries, mask=ok, other=float("inf")) * LOG2E
+            delta = gl.load(Delta + head * T + start + queries, mask=ok, other=0.0)
+            s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+            p = gl.exp2(s * qk_scale - gl.convert_layout(lse, query_layout)[None, :])
+            if qb * BM < first_key + HALF:  # the diagonal block: keys after a query are masked
+                cols = qb * BM + gl.arange(0, BM, layout=query_layout)
+                p = gl.where(cols[None, :] >= keys[:, None], p, 0.0)
+            ds = p * (dp - gl.convert_layout(delta, query_layout)[None, :])
+            dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds.to(q_desc.dtype), operand), q, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(qdo_free.index(slot), count=1)
+            dv = warpgroup_mma_init(dv)
+            dk = warpgroup_mma_init(dk)
+            j += 1
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+
+    rows = first_key + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_d))
+    cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, mma_d))
+    offs = (start + rows).to(gl.int64)[:, None] * stride_kvt + kv_head * D + cols_d[None, :]
+    inside = (rows < length)[:, None]
+    gl.store(dK + offs, (dk * sm_scale).to(dK.dtype.element_ty), mask=inside)
+    gl.store(dV + offs, dv.to(dV.dtype.element_ty), mask=inside)
+
+
+@gluon.jit
+def _dkdv_second_partition(args):
+    _dkdv_partition(args, 1)
+
+
+@gluon.jit
+def _dkdv_kernel(
+    q_desc, do_desc, k_desc, v_desc, Lse, Delta, dK, dV, tiles, n_tiles, cu_seqlens, n_docs, T, stride_kvt,
+    group, qk_scale, sm_scale, STAGES: gl.constexpr,
+):
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    HALF: gl.constexpr = k_desc.block_type.shape[2]
+    D: gl.constexpr = k_desc.block_type.shape[4]
+    segment, start, length, c0, n_blocks = _tile(tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, BM)
+    if segment < 0:
+        return
+    kv_head = gl.program_id(1)
+    if n_blocks == 0:  # the tail past the last document: no query sees its keys
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        _store_zeros(dK, start, c0, length, kv_head, stride_kvt, 2 * HALF, D, layout)
+        _store_zeros(dV, start, c0, length, kv_head, stride_kvt, 2 * HALF, D, layout)
+        return
+
+    q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_free = _ring(q_desc, do_desc, STAGES)
+    kv_smem = gl.allocate_shared_memory(k_desc.dtype, [4] + k_desc.block_type.shape, k_desc.layout)
+    # Under the causal mask the tile's keys are seen by query blocks c0 / BM .. n_q - 1.
+    args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, kv_bar, q_ready, do_ready, qdo_free,
+            Lse, Delta, dK, dV, start, length, kv_head, group, c0, c0 // BM, gl.cdiv(length, BM), T,
+            stride_kvt, qk_scale, sm_scale)
+    gl.warp_specialize([
+        (_dkdv_partition, (args, 0)),
+        (_dkdv_second_partition, (args, )),
+        (_dkdv_load_partition, (args, )),
+    ], [4, 1], [240, 24])
 
 
 def supported(*tensors: torch.Tensor) -> bool:
@@ -458,4 +603,18 @@ def backward_dq(dout, q, k, v, out, lse, dlse, delta, dq, tiles, cu_seqlens, sof
         cu_seqlens, cu_seqlens.numel() - 1, T, dq.stride(0), H // k.shape[1], softmax_scale * LOG2E.value,
         softmax_scale, HAS_DLSE=dlse is not None, STAGES=blocks.stages, num_warps=WARPS,
         maxnreg=MAX_REGISTERS,
+    )
+
+
+def backward_dkdv(dout, q, k, v, lse, delta, dk, dv, tiles, cu_seqlens, softmax_scale: float, blocks) -> None:
+    """Writes dk and dv [T, H_kv, D] (as flash_attn's dK/dV pass) for the key tiles of `tiles`."""
+    T, H, D = q.shape
+    if (blocks.m, blocks.n, blocks.warps) != (64, 128, 8):
+        raise ValueError(f"the Gluon dK/dV pass runs 64-query blocks and two 64-key warpgroups, not {blocks}")
+    n_tiles = tiles.shape[1]
+    _dkdv_kernel[(n_tiles, k.shape[1])](
+        _descriptor(q, blocks.m), _descriptor(dout, blocks.m), _descriptor(k, blocks.n // 2),
+        _descriptor(v, blocks.n // 2), lse, delta, dk, dv, tiles, n_tiles, cu_seqlens, cu_seqlens.numel() - 1,
+        T, dk.stride(0), H // k.shape[1], softmax_scale * LOG2E.value, softmax_scale, STAGES=blocks.stages,
+        num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )

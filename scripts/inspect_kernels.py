@@ -40,7 +40,7 @@ from kernels import flash_attn as fa  # noqa: E402
 from kernels import flash_attn_hopper as fh  # noqa: E402
 
 # The classes with blocks.gluon run these warp-specialised Gluon kernels on Hopper instead.
-GLUON_KERNELS = {"fwd": fh._fwd_long_kernel, "dq": fh._dq_long_kernel}
+GLUON_KERNELS = {"fwd": fh._fwd_long_kernel, "dq": fh._dq_long_kernel, "dkdv": fh._dkdv_kernel}
 KERNELS = {
     "fwd": fa._fwd_kernel,
     "dq": fa._bwd_dq_kernel,
@@ -81,12 +81,19 @@ def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
     )
 
 
-def gluon_signature(fn, blocks: fa.Blocks):
+def gluon_signature(kernel: str, fn, blocks: fa.Blocks):
     """(signature, constexprs, attrs) of a launch of a Gluon kernel of kernels.flash_attn_hopper."""
     from triton.experimental.gluon import language as gl
 
     def descriptor(name):
-        shape = [1, 1, blocks.m // 2 if name in ("q_desc", "do_desc") else blocks.n, 1, fh.HEAD_DIM]
+        # The forward and dQ pass split 2 x 64-query tiles between the warpgroups and stream key blocks;
+        # the dK/dV pass splits 2 x 64-key tiles and streams query blocks.
+        query_side = name in ("q_desc", "do_desc")
+        if kernel == "dkdv":
+            rows = blocks.m if query_side else blocks.n // 2
+        else:
+            rows = blocks.m // 2 if query_side else blocks.n
+        shape = [1, 1, rows, 1, fh.HEAD_DIM]
         return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
 
     return _signature(fn, dict(STAGES=blocks.stages, HAS_DLSE=False), descriptor)
@@ -194,7 +201,7 @@ def inspect_kernel(
         from triton.experimental.gluon._runtime import GluonASTSource
 
         fn = GLUON_KERNELS[kernel]
-        sig, constexprs, attrs = gluon_signature(fn, blocks)
+        sig, constexprs, attrs = gluon_signature(kernel, fn, blocks)
         source = GluonASTSource(fn, sig, constexprs, attrs)
         options = dict(num_warps=fh.WARPS, maxnreg=fh.MAX_REGISTERS)
     else:

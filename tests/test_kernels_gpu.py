@@ -191,9 +191,10 @@ def test_fused_cross_entropy_at_training_size():
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gluon_kernels_agree_with_triton_kernels(dtype, monkeypatch):
-    """The warp-specialised long-document forward and dQ pass against the Triton kernels they replace:
-    the forward computes the same sums in the same order (bitwise equal); the backward's delta is summed in
-    another order, so dQ and dK agree to rounding. A tail of 3,000 tokens past the last document."""
+    """The warp-specialised long-document forward, dQ and dK/dV passes against the Triton kernels they
+    replace, with GQA: the forward and dV are the same sums in the same order (bitwise equal); the dQ pass
+    sums delta in another order, so dQ and dK agree to rounding. A tail of 3,000 tokens past the last
+    document."""
     lengths = [9000, 2049, 30000, 100, 4500, 17000, 2047]
     q, k, v, cu = make_inputs(lengths, 16, 4, 128, dtype)
     cu = cu[:-1].contiguous()
