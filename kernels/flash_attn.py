@@ -58,8 +58,9 @@ class Blocks(NamedTuple):
     # The inner loop's tiles come by TMA (Hopper's tensor memory accelerator, through a descriptor that
     # bounds each document in hardware) instead of per-thread loads, where that measured faster.
     tma: bool = False
-    # Forward and dQ pass, head dim 128: on Hopper, causal calls over the whole past run the warp-
-    # specialised Gluon kernels of flash_attn_hopper instead (a load warp, two warpgroups of m / 2 rows).
+    # Head dim 128: on Hopper, causal calls over the whole past run the warp-specialised Gluon kernels of
+    # flash_attn_hopper instead (a load warp; two warpgroups of m / 2 query rows in the forward and dQ
+    # pass, of n / 2 keys in the dK/dV pass, which has no Gluon version for the class that stores dS).
     gluon: bool = False
 
 
