@@ -32,6 +32,9 @@ class ModelConfig:
     # term ([vocab, width]) lives to the end of the forward. At d12 on an H200, 8,192 peaked 1.5 GB lower
     # than 4,096, at the same speed.
     loss_chunk_tokens: int = 8192
+    # On Hopper, the MLP's first product and its gradient's run kernels/mlp_hopper.py, with ReLU^2 and its
+    # derivative in their epilogues; false (or another device) runs cuBLAS plus compiled elementwise kernels.
+    fused_mlp: bool = True
 
 
 @dataclass

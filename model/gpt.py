@@ -97,20 +97,35 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd: int):
+    def __init__(self, n_embd: int, fused: bool):
         super().__init__()
+        self.fused = fused
         self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
 
     def forward(self, x):
+        if self.fused and fused_mlp_supported(x):
+            from kernels.mlp import relu2_mlp
+
+            return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)
         return self.c_proj(F.relu(self.c_fc(x)).square())
 
 
+def fused_mlp_supported(x: torch.Tensor) -> bool:
+    """Whether the MLP's fused kernels run on x: a Hopper GPU and a 16-bit x (under autocast, the residual
+    stream's dtype). Decided while tracing, from the device and dtype alone."""
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and torch.cuda.get_device_capability(x.device)[0] == 9
+    )
+
+
 class Block(nn.Module):
-    def __init__(self, shape: GPTShape, window: int):
+    def __init__(self, shape: GPTShape, window: int, fused_mlp: bool):
         super().__init__()
         self.attn = CausalSelfAttention(shape, window)
-        self.mlp = MLP(shape.n_embd)
+        self.mlp = MLP(shape.n_embd, fused_mlp)
 
     def forward(self, x, rotary, attention, ctx):
         x = x + self.attn(rms_norm(x), rotary, attention, ctx)
@@ -137,7 +152,7 @@ class GPT(nn.Module):
         windows = layer_windows(cfg.window_pattern, cfg.short_window, s.n_layer)
         self.attention = Attention(attention, windows, s.head_dim)
         self.wte = nn.Embedding(s.padded_vocab_size, s.n_embd)
-        self.blocks = nn.ModuleList(Block(s, w) for w in windows)
+        self.blocks = nn.ModuleList(Block(s, w, bool(cfg.fused_mlp)) for w in windows)
         self.lm_head = nn.Linear(s.n_embd, s.padded_vocab_size, bias=False)
         # Precomputed once: computed inside the compiled forward, the cos/sin would be fused into (and
         # recomputed by) every layer's rotary kernel. Not saved: they follow from the config.

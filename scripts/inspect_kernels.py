@@ -1,19 +1,20 @@
-"""Compile the attention kernels for an NVIDIA architecture on a machine without a GPU, and report what
-the compiler made of them.
+"""Compile the attention kernels and the MLP's fused products for an NVIDIA architecture on a machine
+without a GPU, and report what the compiler made of them.
 
     python scripts/inspect_kernels.py [--head-dim 128] [--arch 90] [--kernels ...] [--dump DIR]
 
-For each kernel and length class of `block_config`: shared memory, registers and spill bytes (from the
-ptxas that ships with triton), the tensor-core instructions (wgmma) and the waits for them (`wait 0` lets
-no product run on past it, `wait n` leaves n groups in flight: only those can overlap the exponentials),
-and how the inner loops get their tiles (TMA or cp.async copies; neither means plain loads that stall).
-`loop spills` counts the spill loads and stores (SASS, from triton's nvdisasm) inside each inner loop
-that runs tensor-core products, in code order: a kernel's total spill bytes say nothing about whether its
-hot loop touches local memory (the unmasked loop is usually the shortest one). The kernels are
-specialised as a launch on aligned [T, H, D] bf16 tensors would specialise them (16-byte strides, one
-query head per K/V head, no gradient on the LSE). Figures are those of the installed triton; the GPU
-machines run triton 3.6 (`pip install --target DIR triton==3.6.0` and put DIR first on PYTHONPATH to see
-theirs). `--json` prints one object per kernel and class instead of a table.
+For each attention kernel and length class of `block_config`, and for the MLP's two Gluon products (`relu2`,
+`relu2_grad`: kernels/mlp_hopper.py, Hopper only): shared memory, registers and spill bytes (from the ptxas
+that ships with triton), the tensor-core instructions (wgmma) and the waits for them (`wait 0` lets no
+product run on past it, `wait n` leaves n groups in flight: only those can overlap the exponentials), and
+how the inner loops get their tiles (TMA or cp.async copies; neither means plain loads that stall). `loop
+spills` counts the spill loads and stores (SASS, from triton's nvdisasm) inside each inner loop that runs
+tensor-core products, in code order: a kernel's total spill bytes say nothing about whether its hot loop
+touches local memory (the unmasked loop is usually the shortest one). The kernels are specialised as a
+launch on aligned [T, H, D] bf16 tensors would specialise them (16-byte strides, one query head per K/V
+head, no gradient on the LSE). Figures are those of the installed triton; the GPU machines run triton 3.6
+(`pip install --target DIR triton==3.6.0` and put DIR first on PYTHONPATH to see theirs). `--json` prints
+one object per kernel and class instead of a table.
 """
 
 import argparse
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import flash_attn as fa  # noqa: E402
 from kernels import flash_attn_hopper as fh  # noqa: E402
+from kernels import mlp_hopper as mh  # noqa: E402
 
 # The classes with blocks.gluon run these warp-specialised Gluon kernels on Hopper instead.
 GLUON_KERNELS = {"fwd": fh._fwd_long_kernel, "dq": fh._dq_long_kernel, "dkdv": fh._dkdv_kernel}
@@ -47,6 +49,7 @@ KERNELS = {
     "dkdv": fa._bwd_dkdv_kernel,
     "dq_stored": fa._bwd_dq_stored_kernel,
 }
+MLP_KERNELS = {"relu2": mh.RELU2, "relu2_grad": mh.RELU2_GRAD}
 FP32_POINTERS = {"Lse", "dLse", "Delta"}
 INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots"}
 BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
@@ -99,9 +102,10 @@ def gluon_signature(kernel: str, fn, blocks: fa.Blocks):
     return _signature(fn, dict(STAGES=blocks.stages, HAS_DLSE=False), descriptor)
 
 
-def _signature(fn, constants: dict, descriptor):
+def _signature(fn, constants: dict, descriptor, aligned_ints=ALIGNED_INTS):
     """(signature, constexprs, attrs) of a launch on aligned tensors: `constants` holds the constexpr
-    arguments, descriptor(name) the type of a descriptor argument (None: the launch passes None)."""
+    arguments, descriptor(name) the type of a descriptor argument (None: the launch passes None),
+    `aligned_ints` the integer arguments that are multiples of 16."""
     sig, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -110,6 +114,8 @@ def _signature(fn, constants: dict, descriptor):
             sig[name] = descriptor(name)
             if sig[name] is None:
                 sig[name], constexprs[(i,)] = "constexpr", None
+        elif name in aligned_ints:
+            sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
         elif name in BF16_POINTERS | FP32_POINTERS | INT32_POINTERS:
             sig[name] = "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS else "*bf16"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -117,7 +123,7 @@ def _signature(fn, constants: dict, descriptor):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-            if name.startswith("stride") or name in ALIGNED_INTS:
+            if name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, constexprs, attrs
 
@@ -210,7 +216,6 @@ def inspect_kernel(
         source = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         options = dict(num_warps=blocks.warps, num_stages=blocks.stages)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    ptx = compiled.asm["ptx"]
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         stem = (
@@ -220,6 +225,11 @@ def inspect_kernel(
         )
         for key in ("ttgir", "ptx"):
             (dump / f"{stem}.{key}").write_text(compiled.asm[key])
+    return _report(kernel, blocks, compiled, arch)
+
+
+def _report(kernel: str, blocks: fa.Blocks, compiled, arch: int) -> dict:
+    ptx = compiled.asm["ptx"]
     waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)]
     return dict(
         kernel=kernel,
@@ -235,11 +245,38 @@ def inspect_kernel(
     )
 
 
-def format_row(row: dict, longest: int | None) -> str:
+def inspect_mlp_kernel(kernel: str, arch: int) -> dict:
+    """As inspect_kernel, for kernels/mlp_hopper.py's product with the epilogue `kernel` (bf16)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    epilogue = MLP_KERNELS[kernel]
+
+    def descriptor(name):
+        shape = {
+            "a_desc": [mh.BM, mh.BK],
+            "b_desc": [mh.BN, mh.BK],
+            "c_desc": [mh.BM // 2, mh.BN],
+            "g_desc": [mh.BM // 2, mh.BN],
+        }[name]
+        return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
+
+    fn = mh._matmul_kernel
+    # The sizes M, N, K: multiples of 16 in the model.
+    constants = dict(EPILOGUE=epilogue.value, STAGES=mh.STAGES)
+    sig, constexprs, attrs = _signature(fn, constants, descriptor, aligned_ints={"M", "N", "K"})
+    source = GluonASTSource(fn, sig, constexprs, attrs)
+    options = dict(num_warps=mh.WARPS, maxnreg=mh.MAX_REGISTERS)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    blocks = fa.Blocks(mh.BM, mh.BN, 2 * mh.WARPS, mh.STAGES, tma=True, gluon=True)
+    return _report(kernel, blocks, compiled, arch)
+
+
+def format_row(row: dict, label: str) -> str:
     b = row["blocks"]
     blocks = f"{b.m}x{b.n} w{b.warps} s{b.stages}" + (" tma" if b.tma else "") + (" gluon" if b.gluon else "")
     return (
-        f"{row['kernel']:<9} {('<= ' + str(longest)) if longest else 'longer':<8} {blocks:<24} "
+        f"{row['kernel']:<10} {label:<8} {blocks:<24} "
         f"{row['shared_kb']:7.1f} {row['registers'] or '?':>5} {row['spill_bytes']:>6} {row['wgmma']:>6} "
         f"{row['waits_for_all']:>6} {row['waits_partial']:>6} {row['tma_loads']:>5} "
         f"{row['cp_async_loads']:>8} {'/'.join(str(loop['spill_ops']) for loop in row['loops']):>11}"
@@ -250,7 +287,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
-    parser.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=list(KERNELS))
+    every = [*KERNELS, *MLP_KERNELS]
+    parser.add_argument("--kernels", nargs="+", choices=every, default=every)
     parser.add_argument("--dump", type=Path, help="write each kernel's TTGIR and PTX here")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     args = parser.parse_args()
@@ -259,20 +297,31 @@ def main():
     if not args.json:
         print(f"triton {triton.__version__}, sm_{args.arch}, head dim {args.head_dim}")
         print(
-            f"{'pass':<9} {'class':<8} {'blocks':<24} {'smem KB':>7} {'regs':>5} {'spills':>6} {'wgmma':>6} "
+            f"{'pass':<10} {'class':<8} {'blocks':<24} {'smem KB':>7} {'regs':>5} {'spills':>6} {'wgmma':>6} "
             f"{'wait 0':>6} {'wait n':>6} {'tma':>5} {'cp.async':>8} {'loop spills':>11}"
         )
     for kernel in args.kernels:
-        if kernel not in config:
-            continue
-        # dq_stored serves the documents of the first dK/dV class.
-        entries = config[kernel] if kernel != "dq_stored" else [(config["dkdv"][0][0], config[kernel])]
-        for longest, blocks in entries:
-            row = inspect_kernel(kernel, args.head_dim, blocks, args.arch, args.dump)
+        if kernel in MLP_KERNELS:
+            # Hopper's kernels only; the head dim does not enter them.
+            rows = [(inspect_mlp_kernel(kernel, args.arch), None, "all")] if args.arch == 90 else []
+        elif kernel in config:
+            # dq_stored serves the documents of the first dK/dV class.
+            entries = config[kernel] if kernel != "dq_stored" else [(config["dkdv"][0][0], config[kernel])]
+            rows = [
+                (
+                    inspect_kernel(kernel, args.head_dim, blocks, args.arch, args.dump),
+                    longest,
+                    f"<= {longest}" if longest else "longer" if len(entries) > 1 else "all",
+                )
+                for longest, blocks in entries
+            ]
+        else:
+            rows = []
+        for row, longest, label in rows:
             if args.json:
-                print(json.dumps({**row, "blocks": blocks._asdict(), "longest": longest}))
+                print(json.dumps({**row, "blocks": row["blocks"]._asdict(), "longest": longest}))
                 continue
-            print(format_row(row, longest))
+            print(format_row(row, label))
             for warning in row["warnings"]:
                 print(f"      ptxas {warning}")
 

@@ -1,6 +1,6 @@
-"""The attention kernels compiled for Hopper on this CPU machine (scripts/inspect_kernels.py, with the
-ptxas bundled in triton): every shipped block config must fit an H100/H200 SM and keep the inner loops
-fed by asynchronous copies, which the interpreter tests cannot see."""
+"""The attention kernels and the MLP's products compiled for Hopper on this CPU machine
+(scripts/inspect_kernels.py, with the ptxas bundled in triton): every shipped block config must fit an
+H100/H200 SM and keep the inner loops fed by asynchronous copies, which the interpreter tests cannot see."""
 
 import json
 import subprocess
@@ -13,17 +13,23 @@ ROOT = Path(__file__).resolve().parents[1]
 HOPPER_SHARED_BYTES = 232448  # most shared memory one block may use on sm_90
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
+def inspect(*args: str) -> list[dict]:
+    """The rows of `scripts/inspect_kernels.py --json ARGS` (in a process of its own: the script switches
+    triton out of the interpreter when imported)."""
     result = subprocess.run(
-        [sys.executable, "scripts/inspect_kernels.py", "--head-dim", str(head_dim), "--json"],
+        [sys.executable, "scripts/inspect_kernels.py", "--json", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
+    rows = inspect("--head-dim", str(head_dim), "--kernels", "fwd", "dq", "dkdv", "dq_stored")
     # Head dim 128 takes its short documents' dQ from stored dS; at 64 that measured slower (d12).
     stored = {"dq_stored"} if head_dim == 128 else set()
     assert {row["kernel"] for row in rows} == {"fwd", "dq", "dkdv"} | stored
@@ -41,6 +47,17 @@ def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
             assert row["cp_async_loads"] > 0, where
         # The masked and unmasked loops are found in the SASS, each running tensor-core products.
         assert row["loops"] and all(loop["products"] > 0 for loop in row["loops"]), where
+
+
+def test_mlp_products_fit_hopper_without_spills():
+    """The MLP's two Gluon products (kernels/mlp_hopper.py): warp-specialised, fed by TMA, no spills."""
+    rows = inspect("--kernels", "relu2", "relu2_grad")
+    assert [row["kernel"] for row in rows] == ["relu2", "relu2_grad"]
+    for row in rows:
+        assert row["shared_kb"] * 1024 <= HOPPER_SHARED_BYTES, row["kernel"]
+        assert row["spill_bytes"] == 0 and row["wgmma"] > 0, row["kernel"]
+        assert row["tma_loads"] > 0 and row["register_moves"] > 0, row["kernel"]
+        assert row["loops"] and all(loop["products"] > 0 for loop in row["loops"]), row["kernel"]
 
 
 SASS = """

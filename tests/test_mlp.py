@@ -1,0 +1,144 @@
+"""The ReLU^2 MLP operator (kernels/mlp.py): its autograd against float64 autograd of the plain formula,
+through torch.compile, and (on Hopper) its Gluon products at training sizes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.mlp import relu2_mlp
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def plain_mlp(x, w1, w2):
+    return F.relu(x @ w1.t()).square() @ w2.t()
+
+
+def inputs(T, C, H, dtype, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, C, device=device, generator=gen).to(dtype)
+    w1 = (torch.randn(H, C, device=device, generator=gen) * C**-0.5).to(dtype)
+    w2 = (torch.randn(C, H, device=device, generator=gen) * H**-0.5).to(dtype)
+    return x, w1, w2
+
+
+def value_and_grads(fn, x, w1, w2, dout):
+    leaves = [t.detach().requires_grad_() for t in (x, w1, w2)]
+    out = fn(*leaves)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def test_operator_matches_autograd_of_the_formula():
+    """float64 on the CPU: the operator's backward (with sqrt(a) for relu(h)) equals autograd's."""
+    x, w1, w2 = inputs(37, 24, 96, torch.float64)
+    dout = torch.randn(37, 24, dtype=torch.float64)
+    got = value_and_grads(relu2_mlp, x, w1, w2, dout)
+    want = value_and_grads(plain_mlp, x, w1, w2, dout)
+    for name, a, b in zip(("out", "dx", "dw1", "dw2"), got, want, strict=True):
+        assert rel_err(a, b) < 1e-12, name
+
+
+def test_weights_take_the_input_dtype_and_keep_their_own_gradient_dtype():
+    """As under autocast: float32 weights with a float64 input run in float64, and their gradients come
+    back in float32."""
+    x, w1, w2 = inputs(16, 8, 32, torch.float64)
+    w1, w2 = w1.float(), w2.float()
+    out, dx, dw1, dw2 = value_and_grads(relu2_mlp, x, w1, w2, torch.ones(16, 8, dtype=torch.float64))
+    assert out.dtype == dx.dtype == torch.float64 and dw1.dtype == dw2.dtype == torch.float32
+    want = value_and_grads(plain_mlp, x, w1.double(), w2.double(), torch.ones(16, 8, dtype=torch.float64))
+    assert rel_err(dw1, want[2]) < 1e-6 and rel_err(dw2, want[3]) < 1e-6
+
+
+def test_compiles_without_graph_break():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    backend = CompileCounterWithBackend("inductor")
+    fn = torch.compile(relu2_mlp, backend=backend, fullgraph=True, dynamic=False)
+    x, w1, w2 = inputs(64, 16, 64, torch.float32)
+    dout = torch.randn(64, 16)
+    got = value_and_grads(fn, x, w1, w2, dout)
+    want = value_and_grads(plain_mlp, x.double(), w1.double(), w2.double(), dout.double())
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-5
+    assert backend.frame_count == 1
+
+
+def test_rejects_mismatched_shapes():
+    x, w1, w2 = inputs(8, 16, 64, torch.float32)
+    with pytest.raises(ValueError, match=r"expected \[T, C\], \[H, C\], \[C, H\]"):
+        relu2_mlp(x, w1, w2.t())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(65536, 768, 3072), (4096, 1280, 5120), (1000, 128, 200)])
+def test_gluon_products_match_float64(shape, dtype):
+    """The two fused products alone, against float64 from the same 16-bit inputs: a d12 buffer, a d20
+    width, and sizes that are not multiples of the tile (the TMA copies clip the edges)."""
+    from kernels.mlp_hopper import relu2_grad_matmul, relu2_matmul
+
+    T, C, H = shape
+    x, w1, w2 = inputs(T, C, H, dtype, "cuda")
+    g = torch.randn(T, C, device="cuda", dtype=dtype)
+    a = relu2_matmul(x, w1)
+    ref_a = F.relu(x.double() @ w1.double().t()).square()
+    assert a.dtype == dtype and rel_err(a, ref_a) < 4e-3  # the rounding of a to 16 bits
+    dh = relu2_grad_matmul(g, w2.t().contiguous(), a)
+    ref_dh = (g.double() @ w2.double()) * 2 * a.double().sqrt()
+    assert rel_err(dh, ref_dh) < 4e-3
+    assert (dh[a == 0] == 0).all()  # where relu(h) = 0, so is the gradient
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+def test_operator_on_hopper_matches_float64_autograd():
+    """The whole operator at a d12 buffer in bf16, forward and backward, against float64 autograd."""
+    x, w1, w2 = inputs(65536, 768, 3072, torch.bfloat16, "cuda")
+    dout = torch.randn(65536, 768, device="cuda", dtype=torch.bfloat16)
+    got = value_and_grads(relu2_mlp, x, w1, w2, dout)
+    want = value_and_grads(plain_mlp, x.double(), w1.double(), w2.double(), dout.double())
+    for name, a, b in zip(("out", "dx", "dw1", "dw2"), got, want, strict=True):
+        assert rel_err(a, b) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+def test_compiled_model_with_fused_mlp_matches_the_unfused_one():
+    """A compiled d4 GPT under bf16 autocast on a packed 16,384-token buffer: the fused MLP gives the unfused
+    model's loss and gradients, with one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from configs.schema import ModelConfig
+    from model.gpt import GPT
+
+    T, V = 16384, 4096
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, V, (T,), device="cuda", generator=gen)
+    lengths = [3000, 1, 5000, 2048, T - 10049]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(depth=4, fused_mlp=fused), V, "triton", max_seqlen=8192).cuda()
+        with torch.no_grad():  # zero-initialised output projections would leave the blocks' inputs ungraded
+            for block in model.blocks:
+                block.attn.c_proj.weight.normal_(0, 0.02)
+                block.mlp.c_proj.weight.normal_(0, 0.02)
+        backend = CompileCounterWithBackend("inductor")
+        forward = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(ids, pos, cu, max(lengths), ids.roll(-1))
+        loss.backward()
+        assert backend.frame_count == 1
+        results.append((loss.item(), [p.grad.float() for p in model.parameters()]))
+    (loss_plain, grads_plain), (loss_fused, grads_fused) = results
+    assert abs(loss_fused - loss_plain) < 1e-3 * abs(loss_plain)
+    for a, b in zip(grads_fused, grads_plain, strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 3e-2
