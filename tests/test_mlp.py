@@ -77,10 +77,13 @@ def test_rejects_mismatched_shapes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(65536, 768, 3072), (4096, 1280, 5120), (1000, 128, 200)])
+@pytest.mark.parametrize(
+    "shape", [(65536, 768, 3072), (4096, 1280, 5120), (1000, 128, 200), (1, 768, 3072), (7, 64, 256)]
+)
 def test_gluon_products_match_float64(shape, dtype):
     """The two fused products alone, against float64 from the same 16-bit inputs: a d12 buffer, a d20
-    width, and sizes that are not multiples of the tile (the TMA copies clip the edges)."""
+    width, sizes that are not multiples of the tile (the TMA copies clip the edges), one token (sampling)
+    and a single step of K."""
     from kernels.mlp_hopper import relu2_grad_matmul, relu2_matmul
 
     T, C, H = shape
