@@ -183,16 +183,6 @@ def _descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _programs(device: torch.device, n_tiles: int) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return min(n_tiles, _SM_COUNT[index])
-
-
 def relu2_matmul(x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
     """a = relu(x w1^T)^2 for x [M, K] and w1 [N, K]."""
     (M, K), N = x.shape, w1.shape[0]
@@ -223,7 +213,8 @@ def relu2_grad_matmul(g: torch.Tensor, w2_t: torch.Tensor, a: torch.Tensor) -> t
 
 def _launch(a_desc, b_desc, c_desc, g_desc, M: int, N: int, K: int, epilogue: gl.constexpr) -> None:
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    _matmul_kernel[(_programs(a_desc.base.device, n_tiles),)](
+    programs = min(n_tiles, torch.cuda.get_device_properties(a_desc.base.device).multi_processor_count)
+    _matmul_kernel[(programs,)](
         a_desc, b_desc, c_desc, g_desc, M, N, K, EPILOGUE=epilogue.value, STAGES=STAGES, num_warps=WARPS,
         maxnreg=MAX_REGISTERS,
     )

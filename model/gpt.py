@@ -113,7 +113,9 @@ class MLP(nn.Module):
 
 def fused_mlp_supported(x: torch.Tensor) -> bool:
     """Whether the MLP's fused kernels run on x: a Hopper GPU and a 16-bit x (under autocast, the residual
-    stream's dtype). Decided while tracing, from the device and dtype alone."""
+    stream's dtype). Decided while tracing, from the device and dtype alone: kernels/mlp_hopper.supported
+    also reads pointers for their alignment, which dynamo cannot trace; the operator checks that at run
+    time and falls back to PyTorch."""
     return (
         x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
