@@ -1,6 +1,6 @@
 """`relu2_mlp`: the ReLU^2 MLP, out = relu(x W1^T)^2 W2^T, as PyTorch custom operators with autograd.
 
-On Hopper the products that feed and follow the activation run kernels/mlp_hopper.py, which does the
+On Hopper the products that feed and follow the activation run kernels/gemm_hopper.py, which does the
 elementwise work in their epilogues: the forward writes a = relu(x W1^T)^2 straight from the product (never
 h = x W1^T), and the backward writes dh = (g W2) * 2 sqrt(a) straight from its product, with sqrt(a) =
 relu(h) standing in for the h that was never kept. The other products (out = a W2^T and the weight and
@@ -17,9 +17,9 @@ import torch
 def _fused(*tensors: torch.Tensor) -> bool:
     if not tensors[0].is_cuda:
         return False
-    from kernels import mlp_hopper
+    from kernels import gemm_hopper
 
-    return mlp_hopper.supported(*tensors)
+    return gemm_hopper.supported(*tensors)
 
 
 def reference_forward(x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def reference_grad(g: torch.Tensor, w2_t: torch.Tensor, a: torch.Tensor) -> torc
 @torch.library.custom_op("varlen_gpt::relu2_mlp_fwd", mutates_args=())
 def relu2_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _fused(x, w1):
-        from kernels.mlp_hopper import relu2_matmul
+        from kernels.gemm_hopper import relu2_matmul
 
         a = relu2_matmul(x, w1)
     else:
@@ -54,7 +54,7 @@ def relu2_mlp_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = g.contiguous()
     if _fused(g, w2_t, a):
-        from kernels.mlp_hopper import relu2_grad_matmul
+        from kernels.gemm_hopper import relu2_grad_matmul
 
         dh = relu2_grad_matmul(g, w2_t, a)
     else:

@@ -76,9 +76,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, shape: GPTShape, window: int):
+    def __init__(self, shape: GPTShape, window: int, fused_rope_norm: bool):
         super().__init__()
-        self.shape, self.window = shape, window
+        self.shape, self.window, self.fused_rope_norm = shape, window, fused_rope_norm
         d, hd = shape.n_embd, shape.head_dim
         self.c_q = nn.Linear(d, shape.n_head * hd, bias=False)
         self.c_k = nn.Linear(d, shape.n_kv_head * hd, bias=False)
@@ -87,11 +87,17 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, rotary, attention: Attention, ctx: dict):
         T, s = x.shape[0], self.shape
-        q = self.c_q(x).view(T, s.n_head, s.head_dim)
-        k = self.c_k(x).view(T, s.n_kv_head, s.head_dim)
+        if self.fused_rope_norm and hopper_kernels_run_on(x, s.head_dim):
+            from kernels.rope_norm import qk_rope_norm
+
+            q, k = qk_rope_norm(x, self.c_q.weight, self.c_k.weight, rotary[0][:, 0], rotary[1][:, 0])
+            q, k = q.view(T, s.n_head, s.head_dim), k.view(T, s.n_kv_head, s.head_dim)
+        else:
+            q = self.c_q(x).view(T, s.n_head, s.head_dim)
+            k = self.c_k(x).view(T, s.n_kv_head, s.head_dim)
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k = rms_norm(q), rms_norm(k)  # QK-norm keeps attention logits bounded
         v = self.c_v(x).view(T, s.n_kv_head, s.head_dim)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        q, k = rms_norm(q), rms_norm(k)  # QK-norm keeps attention logits bounded
         y = attention.attend(q, k, v, ctx, self.window)
         return self.c_proj(y.reshape(T, -1))
 
@@ -104,29 +110,36 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
 
     def forward(self, x):
-        if self.fused and fused_mlp_supported(x):
+        if self.fused and hopper_kernels_run_on(x):
             from kernels.mlp import relu2_mlp
 
             return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)
         return self.c_proj(F.relu(self.c_fc(x)).square())
 
 
-def fused_mlp_supported(x: torch.Tensor) -> bool:
-    """Whether the MLP's fused kernels run on x: a Hopper GPU and a 16-bit x (under autocast, the residual
-    stream's dtype). Decided while tracing, from the device and dtype alone: kernels/mlp_hopper.supported
-    also reads pointers for their alignment, which dynamo cannot trace; the operator checks that at run
-    time and falls back to PyTorch."""
-    return (
+def hopper_kernels_run_on(x: torch.Tensor, head_dim: int | None = None) -> bool:
+    """Whether the fused products of kernels/gemm_hopper.py run on x: a Hopper GPU and a 16-bit x (under
+    autocast, the residual stream's dtype), and for the q/k product, heads of head_dim that it takes.
+    Decided while tracing, from the device, dtype and shape alone: gemm_hopper.supported also reads pointers
+    for their alignment, which dynamo cannot trace; the operators check that at run time and fall back to
+    PyTorch."""
+    if not (
         x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and torch.cuda.get_device_capability(x.device)[0] == 9
-    )
+    ):
+        return False
+    if head_dim is None:
+        return True
+    from kernels.rope_norm import supported_head_dim
+
+    return supported_head_dim(head_dim)
 
 
 class Block(nn.Module):
-    def __init__(self, shape: GPTShape, window: int, fused_mlp: bool):
+    def __init__(self, shape: GPTShape, window: int, fused_mlp: bool, fused_rope_norm: bool):
         super().__init__()
-        self.attn = CausalSelfAttention(shape, window)
+        self.attn = CausalSelfAttention(shape, window, fused_rope_norm)
         self.mlp = MLP(shape.n_embd, fused_mlp)
 
     def forward(self, x, rotary, attention, ctx):
@@ -154,7 +167,9 @@ class GPT(nn.Module):
         windows = layer_windows(cfg.window_pattern, cfg.short_window, s.n_layer)
         self.attention = Attention(attention, windows, s.head_dim)
         self.wte = nn.Embedding(s.padded_vocab_size, s.n_embd)
-        self.blocks = nn.ModuleList(Block(s, w, bool(cfg.fused_mlp)) for w in windows)
+        self.blocks = nn.ModuleList(
+            Block(s, w, bool(cfg.fused_mlp), bool(cfg.fused_rope_norm)) for w in windows
+        )
         self.lm_head = nn.Linear(s.n_embd, s.padded_vocab_size, bias=False)
         # Precomputed once: computed inside the compiled forward, the cos/sin would be fused into (and
         # recomputed by) every layer's rotary kernel. Not saved: they follow from the config.

@@ -1,12 +1,13 @@
-"""Compile the attention kernels and the MLP's fused products for an NVIDIA architecture on a machine
+"""Compile the attention kernels and the fused-epilogue products for an NVIDIA architecture on a machine
 without a GPU, and report what the compiler made of them.
 
     python scripts/inspect_kernels.py [--head-dim 128] [--arch 90] [--kernels ...] [--dump DIR]
 
-For each attention kernel and length class of `block_config`, and for the MLP's two Gluon products (`relu2`,
-`relu2_grad`: kernels/mlp_hopper.py, Hopper only): shared memory, registers and spill bytes (from the ptxas
-that ships with triton), the tensor-core instructions (wgmma) and the waits for them (`wait 0` lets no
-product run on past it, `wait n` leaves n groups in flight: only those can overlap the exponentials), and
+For each attention kernel and length class of `block_config`, and for the Gluon products with fused
+epilogues (kernels/gemm_hopper.py, Hopper only: the MLP's `relu2` and `relu2_grad`, attention's `rope_norm`):
+shared memory, registers and spill bytes (from the ptxas that ships with triton), the tensor-core
+instructions (wgmma) and the waits for them (`wait 0` lets no product run on past it, `wait n` leaves n
+groups in flight: only those can overlap the exponentials), and
 how the inner loops get their tiles (TMA or cp.async copies; neither means plain loads that stall). `loop
 spills` counts the spill loads and stores (SASS, from triton's nvdisasm) inside each inner loop that runs
 tensor-core products, in code order: a kernel's total spill bytes say nothing about whether its hot loop
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import flash_attn as fa  # noqa: E402
 from kernels import flash_attn_hopper as fh  # noqa: E402
-from kernels import mlp_hopper as mh  # noqa: E402
+from kernels import gemm_hopper as gh  # noqa: E402
 
 # The classes with blocks.gluon run these warp-specialised Gluon kernels on Hopper instead.
 GLUON_KERNELS = {"fwd": fh._fwd_long_kernel, "dq": fh._dq_long_kernel, "dkdv": fh._dkdv_kernel}
@@ -49,8 +50,8 @@ KERNELS = {
     "dkdv": fa._bwd_dkdv_kernel,
     "dq_stored": fa._bwd_dq_stored_kernel,
 }
-MLP_KERNELS = {"relu2": mh.RELU2, "relu2_grad": mh.RELU2_GRAD}
-FP32_POINTERS = {"Lse", "dLse", "Delta"}
+GEMM_KERNELS = {"relu2": gh.RELU2, "relu2_grad": gh.RELU2_GRAD, "rope_norm": gh.ROPE_NORM}
+FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd"}
 INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots"}
 BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 # Integer arguments that a launch on aligned tensors sees as multiples of 16 (and specialises on).
@@ -245,30 +246,31 @@ def _report(kernel: str, blocks: fa.Blocks, compiled, arch: int) -> dict:
     )
 
 
-def inspect_mlp_kernel(kernel: str, arch: int) -> dict:
-    """As inspect_kernel, for kernels/mlp_hopper.py's product with the epilogue `kernel` (bf16)."""
+def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
+    """As inspect_kernel, for kernels/gemm_hopper.py's product with the epilogue `kernel` (bf16; the q/k
+    product at head dim 128)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    epilogue = MLP_KERNELS[kernel]
+    epilogue = GEMM_KERNELS[kernel]
 
     def descriptor(name):
-        shape = {
-            "a_desc": [mh.BM, mh.BK],
-            "b_desc": [mh.BN, mh.BK],
-            "c_desc": [mh.BM // 2, mh.BN],
-            "g_desc": [mh.BM // 2, mh.BN],
-        }[name]
+        shape = {"a_desc": [gh.BM, gh.BK], "b_desc": [gh.BN, gh.BK], "b2_desc": [gh.BN, gh.BK]}.get(
+            name, [gh.BM // 2, gh.BN]
+        )
         return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
 
-    fn = mh._matmul_kernel
-    # The sizes M, N, K: multiples of 16 in the model.
-    constants = dict(EPILOGUE=epilogue.value, STAGES=mh.STAGES)
-    sig, constexprs, attrs = _signature(fn, constants, descriptor, aligned_ints={"M", "N", "K"})
+    fn = gh._matmul_kernel
+    # The sizes M, N, N2, K: multiples of 16 in the model.
+    rope = epilogue == gh.ROPE_NORM
+    constants = dict(EPILOGUE=epilogue.value, HEAD_DIM=128 if rope else 0, STAGES=gh.STAGES)
+    if not rope:
+        constants |= dict(Cos=None, Sin=None, Rstd=None)
+    sig, constexprs, attrs = _signature(fn, constants, descriptor, aligned_ints={"M", "N", "N2", "K"})
     source = GluonASTSource(fn, sig, constexprs, attrs)
-    options = dict(num_warps=mh.WARPS, maxnreg=mh.MAX_REGISTERS)
+    options = dict(num_warps=gh.WARPS, maxnreg=gh.MAX_REGISTERS)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    blocks = fa.Blocks(mh.BM, mh.BN, 2 * mh.WARPS, mh.STAGES, tma=True, gluon=True)
+    blocks = fa.Blocks(gh.BM, gh.BN, 2 * gh.WARPS, gh.STAGES, tma=True, gluon=True)
     return _report(kernel, blocks, compiled, arch)
 
 
@@ -287,7 +289,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
-    every = [*KERNELS, *MLP_KERNELS]
+    every = [*KERNELS, *GEMM_KERNELS]
     parser.add_argument("--kernels", nargs="+", choices=every, default=every)
     parser.add_argument("--dump", type=Path, help="write each kernel's TTGIR and PTX here")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
@@ -301,9 +303,9 @@ def main():
             f"{'wait 0':>6} {'wait n':>6} {'tma':>5} {'cp.async':>8} {'loop spills':>11}"
         )
     for kernel in args.kernels:
-        if kernel in MLP_KERNELS:
+        if kernel in GEMM_KERNELS:
             # Hopper's kernels only; the head dim does not enter them.
-            rows = [(inspect_mlp_kernel(kernel, args.arch), None, "all")] if args.arch == 90 else []
+            rows = [(inspect_gemm_kernel(kernel, args.arch), None, "all")] if args.arch == 90 else []
         elif kernel in config:
             # dq_stored serves the documents of the first dK/dV class.
             entries = config[kernel] if kernel != "dq_stored" else [(config["dkdv"][0][0], config[kernel])]

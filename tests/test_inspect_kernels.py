@@ -1,4 +1,4 @@
-"""The attention kernels and the MLP's products compiled for Hopper on this CPU machine
+"""The attention kernels and the fused-epilogue products compiled for Hopper on this CPU machine
 (scripts/inspect_kernels.py, with the ptxas bundled in triton): every shipped block config must fit an
 H100/H200 SM and keep the inner loops fed by asynchronous copies, which the interpreter tests cannot see."""
 
@@ -49,10 +49,11 @@ def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
         assert row["loops"] and all(loop["products"] > 0 for loop in row["loops"]), where
 
 
-def test_mlp_products_fit_hopper_without_spills():
-    """The MLP's two Gluon products (kernels/mlp_hopper.py): warp-specialised, fed by TMA, no spills."""
-    rows = inspect("--kernels", "relu2", "relu2_grad")
-    assert [row["kernel"] for row in rows] == ["relu2", "relu2_grad"]
+def test_fused_products_fit_hopper_without_spills():
+    """The Gluon products with fused epilogues (kernels/gemm_hopper.py): the MLP's two and attention's q/k
+    product; warp-specialised, fed by TMA, no spills."""
+    rows = inspect("--kernels", "relu2", "relu2_grad", "rope_norm")
+    assert [row["kernel"] for row in rows] == ["relu2", "relu2_grad", "rope_norm"]
     for row in rows:
         assert row["shared_kb"] * 1024 <= HOPPER_SHARED_BYTES, row["kernel"]
         assert row["spill_bytes"] == 0 and row["wgmma"] > 0, row["kernel"]

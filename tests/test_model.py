@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from configs.schema import ConfigError, ModelConfig
 from model.gpt import GPT, GPTShape, layer_windows
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
 
 def segments(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """cu_seqlens and position_ids of documents of these lengths, one after another."""
@@ -208,3 +210,39 @@ def test_compiled_model_has_no_graph_break_and_no_recompile(autocast):
         torch.testing.assert_close(loss, eager, rtol=tolerance, atol=tolerance)
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("fusion", ["fused_mlp", "fused_rope_norm"])
+def test_compiled_model_with_fused_products_matches_the_unfused_one(fusion):
+    """A compiled d4 GPT under bf16 autocast on a packed 16,384-token buffer: each of the fused products
+    (kernels/gemm_hopper.py) gives the unfused model's loss and gradients, with one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    T, V = 16384, 4096
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, V, (T,), device="cuda", generator=gen)
+    lengths = [3000, 1, 5000, 2048, T - 10049]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        cfg = ModelConfig(depth=4, **{"fused_mlp": False, "fused_rope_norm": False, fusion: fused})
+        model = GPT(cfg, V, "triton", max_seqlen=8192).cuda()
+        with torch.no_grad():  # zero-initialised output projections would leave the blocks' inputs ungraded
+            for block in model.blocks:
+                block.attn.c_proj.weight.normal_(0, 0.02)
+                block.mlp.c_proj.weight.normal_(0, 0.02)
+        backend = CompileCounterWithBackend("inductor")
+        forward = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(ids, pos, cu, max(lengths), ids.roll(-1))
+        loss.backward()
+        assert backend.frame_count == 1
+        results.append((loss.item(), [p.grad.float() for p in model.parameters()]))
+    (loss_plain, grads_plain), (loss_fused, grads_fused) = results
+    assert abs(loss_fused - loss_plain) < 1e-3 * abs(loss_plain)
+    for a, b in zip(grads_fused, grads_plain, strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 3e-2

@@ -1,0 +1,316 @@
+"""Matrix products with the elementwise work that follows them in their epilogue: a persistent,
+warp-specialised matmul in Gluon for Hopper, with three epilogues.
+
+The ReLU^2 MLP. With h = x W1^T, its hidden activation is a = relu(h)^2, and its gradient dh = da * 2 relu(h).
+Since relu(h) = sqrt(a), the backward needs only a, which the forward keeps in place of h:
+
+    forward:   a  = relu(x W1^T)^2                     (`relu2_matmul`)
+    backward:  dh = (g W2) * 2 sqrt(a)     g: the gradient of the MLP's output   (`relu2_grad_matmul`)
+
+With cuBLAS, h is written and read back to write a, and in the backward da is written and read back with h
+to write dh: 14 bytes of traffic per hidden activation (bf16), of which these epilogues leave 6.
+
+Attention's queries and keys (`rope_norm_matmul`): q = rms_norm(rope(x Wq^T)) per head, and k likewise, from
+one launch over the output tiles of both (the keys' tiles follow the queries'). A tile of 256 columns holds
+whole heads, so its epilogue rotates and normalises them in place: the product's output is rounded to 16
+bits into shared memory (as cuBLAS's would be), read back as halves of heads, rotated with each row's cos and
+sin and scaled by the head's 1/rms, which also goes to global memory for the backward (kernels/rope_norm.py).
+
+C = epilogue(A B^T) for A [M, K] and B [N, K], both row-major: B is W1 (an nn.Linear weight) in the MLP's
+forward, a transposed copy of W2 in its backward, Wq then Wk for queries and keys. Each program loops over
+output tiles of BM x BN (tile t + i * programs). Three partitions:
+- a load warp streams the tiles' A and B blocks of BK columns by TMA into a ring of STAGES slots, running
+  on into the next tile while the warpgroups finish the last one;
+- two warpgroups own 64 of a tile's rows each: they accumulate over K with asynchronous products, keeping
+  one in flight, then apply the epilogue and store through shared memory by TMA, whose completion is only
+  awaited before the next tile's store.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Triton 3.6 (the GPU machines) names the TMA copies async_copy_*; later releases async_load / async_store.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+# Block choice, the one place it is made: 128 x 256 output tiles (two warpgroups of 64 rows; a [64, 256]
+# fp32 accumulator is 128 registers a thread), 64 columns of K per ring slot, 3 slots (48 KB each) plus
+# 64 KB for the two warpgroups' output tiles.
+BM, BN, BK, STAGES = 128, 256, 64, 3
+WARPS = 4
+# At 168 registers a thread the 384 threads hold the register file, shared out as 240 / 240 / 24.
+MAX_REGISTERS = 168
+# The epilogues.
+RELU2, RELU2_GRAD, ROPE_NORM = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+# RMSNorm's epsilon: float32's machine epsilon, as model/gpt.py's rms_norm.
+NORM_EPS = gl.constexpr(torch.finfo(torch.float32).eps)
+
+
+@gluon.jit
+def _tile(t, n_tiles_n, n_tiles_n1, BM: gl.constexpr, BN: gl.constexpr):
+    """Row and column of output tile t and whether it belongs to the second output (the keys' columns of a
+    queries-and-keys product); consecutive tiles share their rows of A (in L2 together)."""
+    nt = t % n_tiles_n
+    second = nt >= n_tiles_n1
+    if second:
+        nt -= n_tiles_n1
+    return (t // n_tiles_n) * BM, nt * BN, second
+
+
+@gluon.jit
+def _load_partition(args):
+    """One warp: A and B blocks of every tile of this program, slot after slot of the ring."""
+    (a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
+     Cos, Sin, Rstd, M, N, N2, K, n_tiles, n_tiles_n1, n_tiles_n) = args
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    NS: gl.constexpr = a_smem.type.shape[0]
+    j = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        m0, n0, second = _tile(t, n_tiles_n, n_tiles_n1, BM, BN)
+        for k0 in range(0, K, BK):
+            slot = j % NS
+            # A slot's first use waits on phase 1, which a fresh mbarrier counts as complete.
+            mbarrier.wait(free.index(slot), ((j // NS) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            _tma_load(a_desc, [m0, k0], ready.index(slot), a_smem.index(slot))
+            if second:
+                _tma_load(b2_desc, [n0, k0], ready.index(slot), b_smem.index(slot))
+            else:
+                _tma_load(b_desc, [n0, k0], ready.index(slot), b_smem.index(slot))
+            j += 1
+
+
+@gluon.jit
+def _rotary_tables(Cos, Sin, r0, M, ROWS: gl.constexpr, HALF_D: gl.constexpr, layout: gl.constexpr):
+    """cos and sin [ROWS, HALF_D] of rows r0.. (each token's own angles, gathered by position upstream)."""
+    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, layout))
+    offs = rows[:, None] * HALF_D + cols[None, :]
+    inside = rows[:, None] < M
+    return gl.load(Cos + offs, mask=inside, other=1.0), gl.load(Sin + offs, mask=inside, other=0.0)
+
+
+@gluon.jit
+def _rope_norm_epilogue(out, cos, sin, Rstd, r0, M, head0, heads, first, n_heads, HEAD_DIM: gl.constexpr,
+                        layout: gl.constexpr):
+    """The heads of the product tile in `out` (heads head0.. of an output of `heads`) rotated by RoPE
+    (halves paired) and RMS-normalised in place, as the model's rms_norm(apply_rotary(.)). Each head's
+    1/rms goes to column first + head of Rstd [M, n_heads] for the backward."""
+    ROWS: gl.constexpr = out.type.shape[0]
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    for h in gl.static_range(out.type.shape[1] // HEAD_DIM):
+        lo = out.slice(h * HEAD_DIM, HALF_D, dim=1)
+        hi = out.slice(h * HEAD_DIM + HALF_D, HALF_D, dim=1)
+        x1 = lo.load(layout).to(gl.float32)
+        x2 = hi.load(layout).to(gl.float32)
+        u1 = x1 * cos - x2 * sin
+        u2 = x1 * sin + x2 * cos
+        rstd = gl.rsqrt((gl.sum(u1 * u1, axis=1) + gl.sum(u2 * u2, axis=1)) / HEAD_DIM + NORM_EPS)
+        lo.store((u1 * rstd[:, None]).to(out.dtype))
+        hi.store((u2 * rstd[:, None]).to(out.dtype))
+        gl.store(Rstd + rows * n_heads + first + head0 + h, rstd, mask=(rows < M) & (head0 + h < heads))
+
+
+@gluon.jit
+def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Warpgroup WG: rows 64 WG .. 64 WG + 63 of each tile, accumulated over K, then the epilogue."""
+    (a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
+     Cos, Sin, Rstd, M, N, N2, K, n_tiles, n_tiles_n1, n_tiles_n) = args
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    HALF: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    NS: gl.constexpr = a_smem.type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    # Rows of 16-byte vectors for the elementwise epilogue that works on halves of heads.
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    out = c_smem.index(WG)
+    n_k = gl.cdiv(K, BK)
+    # The backward loads the forward's activations of a tile into the output buffer at this step of K: late
+    # enough for the last tile's store to have left the buffer, early enough to land before the epilogue.
+    g_step = gl.minimum(n_k - 1, 2)
+    j = 0
+    i = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        m0, n0, second = _tile(t, n_tiles_n, n_tiles_n1, BM, BN)
+        r0 = m0 + WG * HALF
+        acc = gl.zeros([HALF, BN], gl.float32, mma)
+        for kk in range(n_k):
+            slot = j % NS
+            mbarrier.wait(ready.index(slot), (j // NS) & 1)
+            a = a_smem.index(slot).slice(WG * HALF, HALF)
+            acc = warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            # One product stays in flight: the previous one is done reading its slot.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if kk > 0:
+                mbarrier.arrive(free.index((j - 1) % NS), count=1)
+            if EPILOGUE == RELU2_GRAD:
+                if kk == g_step:
+                    tma.store_wait(0)
+                    mbarrier.expect(g_ready.index(WG), g_desc.block_type.nbytes)
+                    _tma_load(g_desc, [r0, n0], g_ready.index(WG), out)
+            j += 1
+        if EPILOGUE == ROPE_NORM:
+            # Issued before the last product's wait, so that their latency hides behind it.
+            cos, sin = _rotary_tables(Cos, Sin, r0, M, HALF, HEAD_DIM // 2, rows_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(free.index((j - 1) % NS), count=1)
+
+        if EPILOGUE == RELU2:
+            acc = gl.maximum(acc, 0.0)
+            acc = acc * acc
+            tma.store_wait(0)  # the last tile's store has read the buffer
+            out.store(acc.to(c_desc.dtype))
+        elif EPILOGUE == RELU2_GRAD:
+            mbarrier.wait(g_ready.index(WG), i & 1)
+            acc = acc * (2.0 * gl.sqrt(out.load(mma).to(gl.float32)))
+            out.store(acc.to(c_desc.dtype))
+        else:
+            tma.store_wait(0)
+            out.store(acc.to(c_desc.dtype))
+            heads, first = N // HEAD_DIM, 0
+            if second:
+                heads, first = N2 // HEAD_DIM, N // HEAD_DIM
+            _rope_norm_epilogue(out, cos, sin, Rstd, r0, M, n0 // HEAD_DIM, heads, first,
+                                (N + N2) // HEAD_DIM, HEAD_DIM, rows_layout)
+        fence_async_shared()
+        if second:
+            _tma_store(c2_desc, [r0, n0], out)
+        else:
+            _tma_store(c_desc, [r0, n0], out)
+        i += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _second_mma_partition(args, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr):
+    _mma_partition(args, 1, EPILOGUE, HEAD_DIM)
+
+
+@gluon.jit
+def _matmul_kernel(a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Cos, Sin, Rstd, M, N, N2, K,
+                   EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    g_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(g_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)  # both warpgroups read every slot
+    n_tiles_n1 = gl.cdiv(N, BN)
+    n_tiles_n = n_tiles_n1 + gl.cdiv(N2, BN)
+    n_tiles = gl.cdiv(M, BM) * n_tiles_n
+    args = (a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
+            Cos, Sin, Rstd, M, N, N2, K, n_tiles, n_tiles_n1, n_tiles_n)
+    gl.warp_specialize([
+        (_mma_partition, (args, 0, EPILOGUE, HEAD_DIM)),
+        (_second_mma_partition, (args, EPILOGUE, HEAD_DIM)),
+        (_load_partition, (args, )),
+    ], [4, 1], [240, 24])
+
+
+def supported(*tensors: torch.Tensor) -> bool:
+    """Whether these [rows, cols] tensors suit the kernel: a Hopper GPU, 16-bit, row-major with 16-byte
+    aligned rows."""
+    x = tensors[0]
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    return all(
+        t.dtype == x.dtype in (torch.bfloat16, torch.float16)
+        and t.dim() == 2
+        and t.stride(1) == 1
+        and t.data_ptr() % 16 == 0
+        and t.stride(0) * 2 % 16 == 0
+        for t in tensors
+    )
+
+
+def _descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def relu2_matmul(x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    """a = relu(x w1^T)^2 for x [M, K] and w1 [N, K]."""
+    (M, K), N = x.shape, w1.shape[0]
+    if w1.shape[1] != K:
+        raise ValueError(f"x {tuple(x.shape)} and w1 {tuple(w1.shape)}: expected [M, K] and [N, K]")
+    a = x.new_empty(M, N)
+    a_desc, w1_desc = _descriptor(a, [BM // 2, BN]), _descriptor(w1, [BN, BK])
+    _launch(RELU2, _descriptor(x, [BM, BK]), w1_desc, w1_desc, a_desc, a_desc, a_desc, M, N, 0, K)
+    return a
+
+
+def relu2_grad_matmul(g: torch.Tensor, w2_t: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """dh = (g w2) * 2 sqrt(a) for g [M, K], w2_t = w2^T [N, K] (row-major, as an nn.Linear weight) and the
+    forward's a [M, N]."""
+    (M, K), N = g.shape, w2_t.shape[0]
+    if w2_t.shape[1] != K or a.shape != (M, N):
+        raise ValueError(
+            f"g {tuple(g.shape)}, w2_t {tuple(w2_t.shape)}, a {tuple(a.shape)}: "
+            "expected [M, K], [N, K], [M, N]"
+        )
+    dh = g.new_empty(M, N)
+    w_desc, dh_desc = _descriptor(w2_t, [BN, BK]), _descriptor(dh, [BM // 2, BN])
+    _launch(
+        RELU2_GRAD, _descriptor(g, [BM, BK]), w_desc, w_desc, dh_desc, dh_desc, _descriptor(a, [BM // 2, BN]),
+        M, N, 0, K,
+    )
+    return dh
+
+
+def rope_norm_matmul(
+    x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries and keys from one product: q = rms_norm(rope(x wq^T)) and k likewise with wk, per head of
+    head_dim, for x [M, K], wq [Nq, K], wk [Nk, K] and each row's rotary angles cos, sin [M, head_dim / 2]
+    (float32). Also returns each head's 1/rms, float32 [M, (Nq + Nk) / head_dim], queries' heads first."""
+    (M, K), Nq, Nk = x.shape, wq.shape[0], wk.shape[0]
+    if wq.shape[1] != K or wk.shape[1] != K or Nq % head_dim or Nk % head_dim or BN % head_dim:
+        raise ValueError(
+            f"x {tuple(x.shape)}, wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, head_dim {head_dim}: expected "
+            f"[M, K], [Nq, K], [Nk, K] with whole heads of a head_dim that divides {BN}"
+        )
+    if cos.shape != (M, head_dim // 2) or sin.shape != cos.shape or cos.dtype != torch.float32:
+        raise ValueError(
+            f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: expected float32 [{M}, {head_dim // 2}]"
+        )
+    q, k = x.new_empty(M, Nq), x.new_empty(M, Nk)
+    rstd = torch.empty(M, (Nq + Nk) // head_dim, device=x.device, dtype=torch.float32)
+    q_desc, k_desc = _descriptor(q, [BM // 2, BN]), _descriptor(k, [BM // 2, BN])
+    _launch(
+        ROPE_NORM, _descriptor(x, [BM, BK]), _descriptor(wq, [BN, BK]), _descriptor(wk, [BN, BK]), q_desc,
+        k_desc, q_desc, M, Nq, Nk, K, cos.contiguous(), sin.contiguous(), rstd, head_dim,
+    )
+    return q, k, rstd
+
+
+def _launch(epilogue: gl.constexpr, a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, M: int, N: int, N2: int,
+            K: int, cos=None, sin=None, rstd=None, head_dim: int = 0) -> None:
+    """C = epilogue(A B^T) over the columns of B (N) and then of B2 (N2) if any, into C and C2."""
+    n_tiles = triton.cdiv(M, BM) * (triton.cdiv(N, BN) + triton.cdiv(N2, BN))
+    programs = min(n_tiles, torch.cuda.get_device_properties(a_desc.base.device).multi_processor_count)
+    _matmul_kernel[(programs,)](
+        a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, cos, sin, rstd, M, N, N2, K,
+        EPILOGUE=epilogue.value, HEAD_DIM=head_dim, STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+    )

@@ -1,0 +1,202 @@
+"""`qk_rope_norm`: attention's queries and keys, q = rms_norm(rope(x Wq^T)) per head and k likewise, as
+PyTorch custom operators with autograd.
+
+On Hopper the forward is one product (kernels/gemm_hopper.py) whose epilogue rotates and normalises each
+head of its output tile before the store: the product's output is never written, only q, k and each head's
+1/rms. Elsewhere the same formulas run in PyTorch (`reference_forward`). The product rounds to x's dtype
+before the rotation, as the unfused model does (its rotation starts from nn.Linear's output); the rotation
+and the norm then run in float32.
+
+Backward, per head with y = q (the output, kept for attention anyway), r its 1/rms and dy its gradient:
+
+    du = r (dy - y mean(dy y))          the RMSNorm's backward (u = rope(h), y = r u)
+    dh = rope^-1(du)                    the rotation by -angle
+
+One Triton kernel writes dh of the queries' and the keys' heads side by side into one [T, Nq + Nk] tensor
+(on CUDA; `reference_grad` elsewhere), so that the input and weight gradients are one product each.
+"""
+
+import torch  # noqa: I001 (kernels.flash_attn must come before triton)
+
+# Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
+from kernels.flash_attn import check_interpreter
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+# Backward block choice: rows per program (one head each).
+BWD_ROWS, BWD_WARPS = 64, 4
+# RMSNorm's epsilon, as model/gpt.py's rms_norm (and kernels/gemm_hopper.py's epilogue).
+RMS_EPS = torch.finfo(torch.float32).eps
+
+
+def supported_head_dim(head_dim: int) -> bool:
+    """Whether the fused product takes heads of head_dim: whole heads in each of its output tiles."""
+    from kernels import gemm_hopper
+
+    return gemm_hopper.BN % head_dim == 0
+
+
+def _fused(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, head_dim: int) -> bool:
+    if not x.is_cuda:
+        return False
+    from kernels import gemm_hopper
+
+    return gemm_hopper.supported(x, wq, wk) and supported_head_dim(head_dim)
+
+
+def _heads(y: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return y.view(y.shape[0], -1, head_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the halves of x's last dim (the model's apply_rotary, without its casts)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def reference_forward(x, wq, wk, cos, sin):
+    """(q, k, rstd) as the fused product computes them, in PyTorch (float32 at least inside)."""
+    head_dim = 2 * cos.shape[1]
+    outs, rstds = [], []
+    for w in (wq, wk):
+        u = _rotate(_heads(x @ w.t(), head_dim).to(_wide(x.dtype)), cos[:, None], sin[:, None])
+        rstd = torch.rsqrt(u.square().mean(dim=-1) + RMS_EPS)
+        outs.append((u * rstd[..., None]).to(x.dtype).flatten(1))
+        rstds.append(rstd)
+    return outs[0], outs[1], torch.cat(rstds, dim=1)
+
+
+def reference_grad(dq, dk, q, k, rstd, cos, sin):
+    """dh [T, Nq + Nk]: the gradient of the queries' and keys' product outputs, in PyTorch."""
+    head_dim = 2 * cos.shape[1]
+    dh = []
+    for dy, y in ((dq, q), (dk, k)):
+        dy, y = _heads(dy, head_dim).to(_wide(y.dtype)), _heads(y, head_dim).to(_wide(y.dtype))
+        r = rstd[:, : y.shape[1]] if not dh else rstd[:, -y.shape[1] :]
+        du = r[..., None] * (dy - y * (dy * y).mean(dim=-1, keepdim=True))
+        dh.append(_rotate(du, cos[:, None], -sin[:, None]).to(q.dtype).flatten(1))
+    return torch.cat(dh, dim=1)
+
+
+@triton.jit
+def _rope_norm_bwd_kernel(dQ, dK, Q, K, Rstd, Cos, Sin, dH, T, NQ, NK, HQ, HEAD_DIM: tl.constexpr,
+                          ROWS: tl.constexpr):
+    """dH[rows, head] for one head of queries (head < HQ) or keys: see the module docstring."""
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, HALF)
+    inside = rows[:, None] < T
+    if head < HQ:
+        dy_row, y_row, col = dQ + rows[:, None] * NQ, Q + rows[:, None] * NQ, head * HEAD_DIM
+    else:
+        dy_row, y_row, col = dK + rows[:, None] * NK, K + rows[:, None] * NK, (head - HQ) * HEAD_DIM
+    lo, hi = col + cols[None, :], col + HALF + cols[None, :]
+    dy1 = tl.load(dy_row + lo, mask=inside, other=0.0).to(tl.float32)
+    dy2 = tl.load(dy_row + hi, mask=inside, other=0.0).to(tl.float32)
+    y1 = tl.load(y_row + lo, mask=inside, other=0.0).to(tl.float32)
+    y2 = tl.load(y_row + hi, mask=inside, other=0.0).to(tl.float32)
+    angles = rows[:, None] * HALF + cols[None, :]
+    c = tl.load(Cos + angles, mask=inside, other=1.0)
+    s = tl.load(Sin + angles, mask=inside, other=0.0)
+    r = tl.load(Rstd + rows * ((NQ + NK) // HEAD_DIM) + head, mask=rows < T, other=0.0)
+    mean = (tl.sum(dy1 * y1, axis=1) + tl.sum(dy2 * y2, axis=1)) / HEAD_DIM
+    du1 = r[:, None] * (dy1 - y1 * mean[:, None])
+    du2 = r[:, None] * (dy2 - y2 * mean[:, None])
+    out = dH + rows[:, None] * (NQ + NK) + head * HEAD_DIM
+    tl.store(out + cols[None, :], (du1 * c + du2 * s).to(dH.dtype.element_ty), mask=inside)
+    tl.store(out + HALF + cols[None, :], (du2 * c - du1 * s).to(dH.dtype.element_ty), mask=inside)
+
+
+def rope_norm_grad(dq, dk, q, k, rstd, cos, sin) -> torch.Tensor:
+    """dh [T, Nq + Nk] by the Triton kernel (all tensors contiguous, on one device)."""
+    check_interpreter()
+    (T, Nq), Nk, head_dim = q.shape, k.shape[1], 2 * cos.shape[1]
+    dh = q.new_empty(T, Nq + Nk)
+    grid = (triton.cdiv(T, BWD_ROWS), (Nq + Nk) // head_dim)
+    _rope_norm_bwd_kernel[grid](
+        dq, dk, q, k, rstd, cos, sin, dh, T, Nq, Nk, Nq // head_dim,
+        HEAD_DIM=head_dim, ROWS=BWD_ROWS, num_warps=BWD_WARPS,
+    )
+    return dh
+
+
+@torch.library.custom_op("varlen_gpt::qk_rope_norm_fwd", mutates_args=())
+def qk_rope_norm_fwd(
+    x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _fused(x, wq, wk, 2 * cos.shape[1]):
+        from kernels.gemm_hopper import rope_norm_matmul
+
+        return rope_norm_matmul(x, wq, wk, cos, sin, 2 * cos.shape[1])
+    return reference_forward(x, wq, wk, cos, sin)
+
+
+@qk_rope_norm_fwd.register_fake
+def _(x, wq, wk, cos, sin):
+    heads = (wq.shape[0] + wk.shape[0]) // (2 * cos.shape[1])
+    rstd = x.new_empty(x.shape[0], heads, dtype=_wide(x.dtype))
+    return x.new_empty(x.shape[0], wq.shape[0]), x.new_empty(x.shape[0], wk.shape[0]), rstd
+
+
+@torch.library.custom_op("varlen_gpt::qk_rope_norm_bwd", mutates_args=())
+def qk_rope_norm_bwd(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx and the gradient of [wq; wk] (one product each)."""
+    dq, dk = dq.contiguous(), dk.contiguous()
+    if x.is_cuda:
+        dh = rope_norm_grad(dq, dk, q, k, rstd, cos, sin)
+    else:
+        dh = reference_grad(dq, dk, q, k, rstd, cos, sin)
+    return dh @ torch.cat([wq, wk]), dh.t() @ x
+
+
+@qk_rope_norm_bwd.register_fake
+def _(dq, dk, x, wq, wk, cos, sin, q, k, rstd):
+    return x.new_empty(x.shape), wq.new_empty(wq.shape[0] + wk.shape[0], wq.shape[1])
+
+
+def _setup_context(ctx, inputs, output):
+    x, wq, wk, cos, sin = inputs
+    ctx.save_for_backward(x, wq, wk, cos, sin, *output)
+
+
+def _backward(ctx, dq, dk, drstd):
+    # rstd is an output only so that the backward can keep it; nothing downstream differentiates it.
+    x, wq, wk, cos, sin, q, k, rstd = ctx.saved_tensors
+    dx, dw = qk_rope_norm_bwd(dq, dk, x, wq, wk, cos, sin, q, k, rstd)
+    return dx, dw[: wq.shape[0]], dw[wq.shape[0] :], None, None
+
+
+qk_rope_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def qk_rope_norm(x, wq, wk, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Nq] and k [T, Nk] for x [T, C], wq [Nq, C], wk [Nk, C] and each token's rotary angles cos, sin
+    [T, head_dim / 2], in x's dtype (the weights are cast to it, as autocast would cast them)."""
+    T, C = x.shape
+    if wq.shape[1] != C or wk.shape[1] != C or cos.shape != sin.shape or cos.shape[0] != T:
+        raise ValueError(
+            f"x {tuple(x.shape)}, wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, cos {tuple(cos.shape)}, "
+            f"sin {tuple(sin.shape)}: expected [T, C], [Nq, C], [Nk, C], [T, head_dim / 2] twice"
+        )
+    if wq.shape[0] % (2 * cos.shape[1]) or wk.shape[0] % (2 * cos.shape[1]):
+        raise ValueError(f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}: not whole heads of {2 * cos.shape[1]}")
+    angles = (t.to(_wide(x.dtype)).contiguous() for t in (cos, sin))
+    q, k, _ = qk_rope_norm_fwd(x.contiguous(), wq.to(x.dtype), wk.to(x.dtype), *angles)
+    return q, k
