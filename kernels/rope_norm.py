@@ -24,8 +24,8 @@ from kernels.flash_attn import check_interpreter
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-# Backward block choice: rows per program (one head each).
-BWD_ROWS, BWD_WARPS = 64, 4
+# Backward block choice: rows per program (all their heads, one after another).
+BWD_ROWS, BWD_WARPS = 32, 4
 # RMSNorm's epsilon, as model/gpt.py's rms_norm (and kernels/gemm_hopper.py's epilogue).
 RMS_EPS = torch.finfo(torch.float32).eps
 
@@ -84,33 +84,39 @@ def reference_grad(dq, dk, q, k, rstd, cos, sin):
 
 
 @triton.jit
-def _rope_norm_bwd_kernel(dQ, dK, Q, K, Rstd, Cos, Sin, dH, T, NQ, NK, HQ, HEAD_DIM: tl.constexpr,
-                          ROWS: tl.constexpr):
-    """dH[rows, head] for one head of queries (head < HQ) or keys: see the module docstring."""
-    head = tl.program_id(1)
+def _head_grad(dY, Y, Rstd, dH, rows, T, c, s, width, heads, first, n_heads, HEAD_DIM: tl.constexpr):
+    """Every head of one input (queries or keys: dY, Y [T, width]) for these rows, into dH's columns of heads
+    first.. (see the module docstring)."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, HALF)
     inside = rows[:, None] < T
-    if head < HQ:
-        dy_row, y_row, col = dQ + rows[:, None] * NQ, Q + rows[:, None] * NQ, head * HEAD_DIM
-    else:
-        dy_row, y_row, col = dK + rows[:, None] * NK, K + rows[:, None] * NK, (head - HQ) * HEAD_DIM
-    lo, hi = col + cols[None, :], col + HALF + cols[None, :]
-    dy1 = tl.load(dy_row + lo, mask=inside, other=0.0).to(tl.float32)
-    dy2 = tl.load(dy_row + hi, mask=inside, other=0.0).to(tl.float32)
-    y1 = tl.load(y_row + lo, mask=inside, other=0.0).to(tl.float32)
-    y2 = tl.load(y_row + hi, mask=inside, other=0.0).to(tl.float32)
-    angles = rows[:, None] * HALF + cols[None, :]
-    c = tl.load(Cos + angles, mask=inside, other=1.0)
-    s = tl.load(Sin + angles, mask=inside, other=0.0)
-    r = tl.load(Rstd + rows * ((NQ + NK) // HEAD_DIM) + head, mask=rows < T, other=0.0)
-    mean = (tl.sum(dy1 * y1, axis=1) + tl.sum(dy2 * y2, axis=1)) / HEAD_DIM
-    du1 = r[:, None] * (dy1 - y1 * mean[:, None])
-    du2 = r[:, None] * (dy2 - y2 * mean[:, None])
-    out = dH + rows[:, None] * (NQ + NK) + head * HEAD_DIM
-    tl.store(out + cols[None, :], (du1 * c + du2 * s).to(dH.dtype.element_ty), mask=inside)
-    tl.store(out + HALF + cols[None, :], (du2 * c - du1 * s).to(dH.dtype.element_ty), mask=inside)
+    for head in range(heads):
+        lo = rows[:, None] * width + head * HEAD_DIM + cols[None, :]
+        dy1 = tl.load(dY + lo, mask=inside, other=0.0).to(tl.float32)
+        dy2 = tl.load(dY + lo + HALF, mask=inside, other=0.0).to(tl.float32)
+        y1 = tl.load(Y + lo, mask=inside, other=0.0).to(tl.float32)
+        y2 = tl.load(Y + lo + HALF, mask=inside, other=0.0).to(tl.float32)
+        r = tl.load(Rstd + rows * n_heads + first + head, mask=rows < T, other=0.0)
+        mean = (tl.sum(dy1 * y1, axis=1) + tl.sum(dy2 * y2, axis=1)) / HEAD_DIM
+        du1 = r[:, None] * (dy1 - y1 * mean[:, None])
+        du2 = r[:, None] * (dy2 - y2 * mean[:, None])
+        out = dH + rows[:, None] * (n_heads * HEAD_DIM) + (first + head) * HEAD_DIM + cols[None, :]
+        tl.store(out, (du1 * c + du2 * s).to(dH.dtype.element_ty), mask=inside)
+        tl.store(out + HALF, (du2 * c - du1 * s).to(dH.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _rope_norm_bwd_kernel(dQ, dK, Q, K, Rstd, Cos, Sin, dH, T, NQ, NK, HEAD_DIM: tl.constexpr,
+                          ROWS: tl.constexpr):
+    """dH for ROWS rows, every head of queries then of keys: the rows' angles are loaded once."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    angles = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    c = tl.load(Cos + angles, mask=rows[:, None] < T, other=1.0)
+    s = tl.load(Sin + angles, mask=rows[:, None] < T, other=0.0)
+    HQ, HK = NQ // HEAD_DIM, NK // HEAD_DIM
+    _head_grad(dQ, Q, Rstd, dH, rows, T, c, s, NQ, HQ, 0, HQ + HK, HEAD_DIM)
+    _head_grad(dK, K, Rstd, dH, rows, T, c, s, NK, HK, HQ, HQ + HK, HEAD_DIM)
 
 
 def rope_norm_grad(dq, dk, q, k, rstd, cos, sin) -> torch.Tensor:
@@ -118,10 +124,8 @@ def rope_norm_grad(dq, dk, q, k, rstd, cos, sin) -> torch.Tensor:
     check_interpreter()
     (T, Nq), Nk, head_dim = q.shape, k.shape[1], 2 * cos.shape[1]
     dh = q.new_empty(T, Nq + Nk)
-    grid = (triton.cdiv(T, BWD_ROWS), (Nq + Nk) // head_dim)
-    _rope_norm_bwd_kernel[grid](
-        dq, dk, q, k, rstd, cos, sin, dh, T, Nq, Nk, Nq // head_dim,
-        HEAD_DIM=head_dim, ROWS=BWD_ROWS, num_warps=BWD_WARPS,
+    _rope_norm_bwd_kernel[(triton.cdiv(T, BWD_ROWS),)](
+        dq, dk, q, k, rstd, cos, sin, dh, T, Nq, Nk, HEAD_DIM=head_dim, ROWS=BWD_ROWS, num_warps=BWD_WARPS,
     )
     return dh
 
