@@ -3,8 +3,9 @@
 On Hopper the products that feed and follow the activation run kernels/gemm_hopper.py, which does the
 elementwise work in their epilogues: the forward writes a = relu(x W1^T)^2 straight from the product (never
 h = x W1^T), and the backward writes dh = (g W2) * 2 sqrt(a) straight from its product, with sqrt(a) =
-relu(h) standing in for the h that was never kept. The other products (out = a W2^T and the weight and
-input gradients) are cuBLAS's. Elsewhere the operators run the same formulas in PyTorch (`reference_*`).
+relu(h) standing in for the h that was never kept. The weight gradients run kernels/wgrad_hopper.py where
+that beats cuBLAS (its `preferred`: d20's widths at full batch); the other products are cuBLAS's.
+Elsewhere the operators run the same formulas in PyTorch (`reference_*`).
 The operators take W2 transposed ([H, C], row-major), so that both fused products read their weight in
 nn.Linear's layout; `relu2_mlp` makes that copy (cast and transpose in one compiled kernel when traced).
 End to end that measured the same as a kernel that reads W2 as it is.
@@ -20,6 +21,16 @@ def _fused(*tensors: torch.Tensor) -> bool:
     from kernels import gemm_hopper
 
     return gemm_hopper.supported(*tensors)
+
+
+def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """g^T x, summed over the tokens."""
+    if g.is_cuda:
+        from kernels import wgrad_hopper
+
+        if wgrad_hopper.preferred(g, x):
+            return wgrad_hopper.weight_grad(g, x)
+    return g.t() @ x
 
 
 def reference_forward(x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
@@ -59,12 +70,14 @@ def relu2_mlp_bwd(
         dh = relu2_grad_matmul(g, w2_t, a)
     else:
         dh = reference_grad(g, w2_t, a)
-    return dh @ w1, dh.t() @ x, a.t() @ g
+    # W2's gradient in W2's layout, seen as W2^T's: the fp32 gradient that autograd adds up over the
+    # micro-batches then has W2's layout too, which takes a vectorised add instead of a strided one.
+    return dh @ w1, _weight_grad(dh, x), _weight_grad(g, a).t()
 
 
 @relu2_mlp_bwd.register_fake
 def _(g, x, w1, w2_t, a):
-    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2_t.new_empty(w2_t.shape)
+    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2_t.new_empty(w2_t.shape[1], w2_t.shape[0]).t()
 
 
 def _setup_context(ctx, inputs, output):

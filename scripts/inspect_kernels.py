@@ -50,8 +50,8 @@ KERNELS = {
     "dkdv": fa._bwd_dkdv_kernel,
     "dq_stored": fa._bwd_dq_stored_kernel,
 }
-GEMM_KERNELS = {"relu2": gh.RELU2, "relu2_grad": gh.RELU2_GRAD, "rope_norm": gh.ROPE_NORM}
-FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd"}
+GEMM_KERNELS = {"relu2": gh.RELU2, "relu2_grad": gh.RELU2_GRAD, "rope_norm": gh.ROPE_NORM, "wgrad": None}
+FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd", "Part"}
 INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots"}
 BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 # Integer arguments that a launch on aligned tensors sees as multiples of 16 (and specialises on).
@@ -248,10 +248,12 @@ def _report(kernel: str, blocks: fa.Blocks, compiled, arch: int) -> dict:
 
 def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
     """As inspect_kernel, for kernels/gemm_hopper.py's product with the epilogue `kernel` (bf16; the q/k
-    product at head dim 128)."""
+    product at head dim 128), or kernels/wgrad_hopper.py's ("wgrad")."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    if kernel == "wgrad":
+        return inspect_wgrad_kernel(arch)
     epilogue = GEMM_KERNELS[kernel]
 
     def descriptor(name):
@@ -272,6 +274,27 @@ def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     blocks = fa.Blocks(gh.BM, gh.BN, 2 * gh.WARPS, gh.STAGES, tma=True, gluon=True)
     return _report(kernel, blocks, compiled, arch)
+
+
+def inspect_wgrad_kernel(arch: int) -> dict:
+    """As inspect_kernel, for kernels/wgrad_hopper.py's weight-gradient product (bf16)."""
+    from kernels import wgrad_hopper as wh
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def descriptor(name):
+        shape = [wh.BK, wh.BM // 2] if name == "g_desc" else [wh.BK, wh.BN]
+        return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
+
+    fn = wh._wgrad_kernel
+    sig, constexprs, attrs = _signature(fn, dict(STAGES=wh.STAGES), descriptor, aligned_ints={"M", "N"})
+    options = dict(num_warps=wh.WARPS, maxnreg=wh.MAX_REGISTERS)
+    compiled = triton.compile(
+        GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options
+    )
+    return _report(
+        "wgrad", fa.Blocks(wh.BM, wh.BN, 2 * wh.WARPS, wh.STAGES, tma=True, gluon=True), compiled, arch
+    )
 
 
 def format_row(row: dict, label: str) -> str:

@@ -51,9 +51,11 @@ def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
 
 def test_fused_products_fit_hopper_without_spills():
     """The Gluon products with fused epilogues (kernels/gemm_hopper.py): the MLP's two and attention's q/k
-    product; warp-specialised, fed by TMA, no spills."""
-    rows = inspect("--kernels", "relu2", "relu2_grad", "rope_norm")
-    assert [row["kernel"] for row in rows] == ["relu2", "relu2_grad", "rope_norm"]
+    product; and the weight-gradient product (kernels/wgrad_hopper.py): warp-specialised, fed by TMA, no
+    spills."""
+    kernels = ["relu2", "relu2_grad", "rope_norm", "wgrad"]
+    rows = inspect("--kernels", *kernels)
+    assert [row["kernel"] for row in rows] == kernels
     for row in rows:
         assert row["shared_kb"] * 1024 <= HOPPER_SHARED_BYTES, row["kernel"]
         assert row["spill_bytes"] == 0 and row["wgmma"] > 0, row["kernel"]

@@ -100,10 +100,15 @@ def test_gluon_products_match_float64(shape, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-def test_operator_on_hopper_matches_float64_autograd():
-    """The whole operator at a d12 buffer in bf16, forward and backward, against float64 autograd."""
-    x, w1, w2 = inputs(65536, 768, 3072, torch.bfloat16, "cuda")
-    dout = torch.randn(65536, 768, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("C, stream_k", [(768, False), (1280, True)])
+def test_operator_on_hopper_matches_float64_autograd(C, stream_k):
+    """The whole operator at a d12 and a d20 buffer in bf16, forward and backward, against float64 autograd;
+    d20's weight gradients take kernels/wgrad_hopper.py."""
+    from kernels import wgrad_hopper
+
+    x, w1, w2 = inputs(65536, C, 4 * C, torch.bfloat16, "cuda")
+    dout = torch.randn(65536, C, device="cuda", dtype=torch.bfloat16)
+    assert wgrad_hopper.preferred(x.new_empty(65536, 4 * C), x) == stream_k
     got = value_and_grads(relu2_mlp, x, w1, w2, dout)
     want = value_and_grads(plain_mlp, x.double(), w1.double(), w2.double(), dout.double())
     for name, a, b in zip(("out", "dx", "dw1", "dw2"), got, want, strict=True):
