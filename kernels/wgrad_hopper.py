@@ -31,6 +31,7 @@ kernel and the reduction walk the schedule with the same scalar helpers (`_segme
 `_unit`), which the CPU tests run in Triton's interpreter.
 """
 
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -351,6 +352,7 @@ def _choose_split(n_tiles: int, ks: int, P: int) -> int:
     return min(range(1, min(MAX_SPLIT, ks) + 1), key=cost)
 
 
+@cache  # a pure function of its arguments, asked again for every layer and micro-step
 def make_plan(M: int, N: int, K: int, sms: int, programs: int | None = None, split: int | None = None,
               stream_k_only: bool = False) -> Plan:
     """The schedule of C [M, N] = G^T X over K tokens on `sms` SMs. `programs` and `split` (S) override the

@@ -25,6 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 # Compile for the GPU, even here: the kernel module otherwise switches to the interpreter without CUDA.
@@ -50,7 +51,9 @@ KERNELS = {
     "dkdv": fa._bwd_dkdv_kernel,
     "dq_stored": fa._bwd_dq_stored_kernel,
 }
-GEMM_KERNELS = {"relu2": gh.RELU2, "relu2_grad": gh.RELU2_GRAD, "rope_norm": gh.ROPE_NORM, "wgrad": None}
+GEMM_KERNELS = {"relu2": gh.RELU2, "relu2_grad": gh.RELU2_GRAD, "rope_norm": gh.ROPE_NORM}
+# The products of Hopper alone, each by its inspector: gemm_hopper's epilogues and wgrad_hopper's.
+HOPPER_PRODUCTS = [*GEMM_KERNELS, "wgrad"]
 FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd", "Part"}
 INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots"}
 BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
@@ -248,12 +251,10 @@ def _report(kernel: str, blocks: fa.Blocks, compiled, arch: int) -> dict:
 
 def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
     """As inspect_kernel, for kernels/gemm_hopper.py's product with the epilogue `kernel` (bf16; the q/k
-    product at head dim 128), or kernels/wgrad_hopper.py's ("wgrad")."""
+    product at head dim 128)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    if kernel == "wgrad":
-        return inspect_wgrad_kernel(arch)
     epilogue = GEMM_KERNELS[kernel]
 
     def descriptor(name):
@@ -278,9 +279,10 @@ def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
 
 def inspect_wgrad_kernel(arch: int) -> dict:
     """As inspect_kernel, for kernels/wgrad_hopper.py's weight-gradient product (bf16)."""
-    from kernels import wgrad_hopper as wh
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import wgrad_hopper as wh
 
     def descriptor(name):
         shape = [wh.BK, wh.BM // 2] if name == "g_desc" else [wh.BK, wh.BN]
@@ -312,7 +314,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
-    every = [*KERNELS, *GEMM_KERNELS]
+    every = [*KERNELS, *HOPPER_PRODUCTS]
     parser.add_argument("--kernels", nargs="+", choices=every, default=every)
     parser.add_argument("--dump", type=Path, help="write each kernel's TTGIR and PTX here")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
@@ -326,9 +328,10 @@ def main():
             f"{'wait 0':>6} {'wait n':>6} {'tma':>5} {'cp.async':>8} {'loop spills':>11}"
         )
     for kernel in args.kernels:
-        if kernel in GEMM_KERNELS:
+        if kernel in HOPPER_PRODUCTS:
             # Hopper's kernels only; the head dim does not enter them.
-            rows = [(inspect_gemm_kernel(kernel, args.arch), None, "all")] if args.arch == 90 else []
+            inspect = inspect_wgrad_kernel if kernel == "wgrad" else partial(inspect_gemm_kernel, kernel)
+            rows = [(inspect(args.arch), None, "all")] if args.arch == 90 else []
         elif kernel in config:
             # dq_stored serves the documents of the first dK/dV class.
             entries = config[kernel] if kernel != "dq_stored" else [(config["dkdv"][0][0], config[kernel])]
