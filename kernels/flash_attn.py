@@ -103,10 +103,13 @@ def block_config(head_dim: int) -> Config:
     }
 
 
-def _classes(entries: list[tuple[int | None, Blocks]], num_tokens: int):
-    """(shortest excluded, longest included, blocks) of each length class."""
+def _classes(entries: list[tuple[int | None, Blocks]], num_tokens: int, max_seqlen: int):
+    """(shortest excluded, longest included, blocks) of each length class that can hold a document of at
+    most max_seqlen tokens. The first class always runs: it also takes the tail (see `tile_table`)."""
     shortest = 0
     for longest, blocks in entries:
+        if shortest and shortest >= max_seqlen:
+            return
         longest = num_tokens if longest is None else longest
         yield shortest, longest, blocks
         shortest = longest
@@ -123,7 +126,9 @@ def tile_table(
     """int32 [2, n]: (segment, block index) of each tile of the segments of length in (shortest, longest],
     then (-1, *) padding. Written into `out` when given.
 
-    Segment s < N is document s; segment N is the tail [cu_seqlens[N], num_tokens). A segment of length L
+    Segment s < N is document s; segment N is the tail [cu_seqlens[N], num_tokens), which attends to
+    nothing: it belongs to the table with shortest = 0 whatever its length, so that a plan bounded by
+    max_seqlen, which launches no class above it, still writes the tail's rows. A segment of length L
     has cdiv(L, block) tiles, so the real tiles number at most n = cdiv(T, block) + N, where N may be
     lowered to T // (shortest + 1), the most segments longer than `shortest`. Within a segment the blocks
     run from the last to the first when last_block_first: under a causal mask the last query block does
@@ -157,7 +162,8 @@ def _tile_table_kernel(
         start = tl.load(cu_seqlens + s, mask=s <= n_docs, other=T)
         stop = tl.load(cu_seqlens + s + 1, mask=s < n_docs, other=T)
         size = stop - start
-        blocks = tl.where((size > shortest) & (size <= longest), tl.cdiv(size, BLOCK), 0)
+        in_class = (size > shortest) & (size <= longest)
+        blocks = tl.where(in_class | ((s == n_docs) & (shortest == 0)), tl.cdiv(size, BLOCK), 0)
         last = done + tl.cumsum(blocks, 0)  # one past each segment's last tile
         before = last[None, :] <= tile[:, None]
         segment += tl.sum(before.to(tl.int32), 1)
@@ -660,17 +666,19 @@ def _stored_longest(config: Config, left: int, right: int) -> int:
     return 0
 
 
-def _launches(config: Config, T: int, left: int, right: int) -> list[_Launch]:
-    """The launches of a forward and a backward call, in order."""
+def _launches(config: Config, T: int, max_seqlen: int, left: int, right: int) -> list[_Launch]:
+    """The launches of a forward and a backward call over documents of at most max_seqlen tokens, in order."""
     stored = _stored_longest(config, left, right)
-    launches = [_Launch("fwd", b, b.m, True, lo, hi) for lo, hi, b in _classes(config["fwd"], T)]
+    launches = [_Launch("fwd", b, b.m, True, lo, hi) for lo, hi, b in _classes(config["fwd"], T, max_seqlen)]
     if stored:
         launches.append(_Launch("delta", None, DELTA_ROWS, False, 0, stored))
-    for lo, hi, b in _classes(config["dq"], T):
-        if max(lo, stored) < hi:
+    for lo, hi, b in _classes(config["dq"], T, max_seqlen):
+        if max(lo, stored) < min(hi, max_seqlen):
             launches.append(_Launch("dq", b, b.m, True, max(lo, stored), hi))
     # Under a causal mask the first key blocks are seen by the most queries: run them first.
-    launches += [_Launch("dkdv", b, b.n, False, lo, hi) for lo, hi, b in _classes(config["dkdv"], T)]
+    launches += [
+        _Launch("dkdv", b, b.n, False, lo, hi) for lo, hi, b in _classes(config["dkdv"], T, max_seqlen)
+    ]
     if stored:
         b, store = config["dq_stored"], config["dkdv"][0][1]
         if b.n != store.n or b.m % store.m or b.m > store.n:
@@ -683,14 +691,16 @@ def _launches(config: Config, T: int, left: int, right: int) -> list[_Launch]:
 _PASSES = {"fwd": ("fwd",), "bwd": ("delta", "dq", "dkdv", "dq_stored")}
 
 
-def _plan_layout(T: int, n_docs: int, head_dim: int, window_left: int, window_right: int, part: str | None):
+def _plan_layout(
+    T: int, n_docs: int, head_dim: int, window_left: int, window_right: int, max_seqlen: int, part: str | None
+):
     """([(launch, offset, tiles)], offset of the dS slots or None, size) of a plan for pass `part` ("fwd",
     "bwd", or None for both): shapes only."""
     config = block_config(head_dim)
     left, right = _window(T, window_left, window_right)
     kernels = _PASSES[part] if part else _PASSES["fwd"] + _PASSES["bwd"]
     layout, size = [], 0
-    for launch in _launches(config, T, left, right):
+    for launch in _launches(config, T, max_seqlen, left, right):
         if launch.kernel in kernels:
             n = _n_tiles(T, n_docs, launch.block, launch.shortest)
             layout.append((launch, size, n))
@@ -699,24 +709,34 @@ def _plan_layout(T: int, n_docs: int, head_dim: int, window_left: int, window_ri
     return layout, slots_at, size + (0 if slots_at is None else n_docs + 1)
 
 
-def plan_size(T: int, n_docs: int, head_dim: int, window_left: int, window_right: int) -> int:
-    return _plan_layout(T, n_docs, head_dim, window_left, window_right, None)[2]
+def plan_size(
+    T: int, n_docs: int, head_dim: int, window_left: int, window_right: int, max_seqlen: int
+) -> int:
+    return _plan_layout(T, n_docs, head_dim, window_left, window_right, max_seqlen, None)[2]
 
 
 def make_plan(
-    cu_seqlens: torch.Tensor, T: int, head_dim: int, window_left: int, window_right: int,
+    cu_seqlens: torch.Tensor, T: int, head_dim: int, window_left: int, window_right: int, max_seqlen: int,
     part: str | None = None,
 ) -> torch.Tensor:
     """int32 [plan_size]: the tile table of every launch of a call over T tokens split by cu_seqlens,
     then, where short documents' dS is stored, the first dS slot of each document. It depends only on
-    the documents, the head dim and the window, so every layer's forward and backward over the same
-    documents can share one. `part` limits it to one pass ("fwd" or "bwd"), for a call of its own."""
+    the documents, the head dim, the window and the bound max_seqlen on the documents' length (T or more
+    for none), so every layer's forward and backward over the same documents can share one. `part` limits
+    it to one pass ("fwd" or "bwd"), for a call of its own."""
     check_interpreter()
-    layout = _plan_layout(T, cu_seqlens.numel() - 1, head_dim, window_left, window_right, part)
-    return _fill_plan(cu_seqlens, T, head_dim, *layout)
+    layout = _plan_layout(T, cu_seqlens.numel() - 1, head_dim, window_left, window_right, max_seqlen, part)
+    return _fill_plan(cu_seqlens, T, head_dim, max_seqlen, *layout)
 
 
-def _fill_plan(cu_seqlens: torch.Tensor, T: int, head_dim: int, layout, slots_at: int | None, size: int):
+def _fill_plan(
+    cu_seqlens: torch.Tensor, T: int, head_dim: int, max_seqlen: int, layout, slots_at: int | None, size: int
+):
+    if max_seqlen < T and cu_seqlens.numel() > 1:
+        # The classes above max_seqlen are not launched: a longer document would get no output. Checked on
+        # the device, so that nothing waits for it; on CUDA a failure is a device-side assert.
+        longest = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
+        torch._assert_async(longest <= max_seqlen, f"a document is longer than max_seqlen={max_seqlen}")
     plan = torch.empty(size, dtype=torch.int32, device=cu_seqlens.device)
     for launch, at, n in layout:
         tile_table(
@@ -747,20 +767,22 @@ def _ds_slot_count(T: int, n_docs: int, longest: int, bm: int, bn: int) -> int:
     return longest * T // (2 * bm * bn) + T // bn + T // bm + n_docs + 1
 
 
-def _planned(plan, cu_seqlens, T: int, head_dim: int, window_left: int, window_right: int, part: str):
+def _planned(
+    plan, cu_seqlens, T: int, head_dim: int, window_left: int, window_right: int, max_seqlen: int, part: str
+):
     """([(launch, tile table)], dS slots or None) of pass `part` from a plan of both passes, or from one
     made here for this pass alone when plan is None."""
     n_docs = cu_seqlens.numel() - 1
     layout, slots_at, size = _plan_layout(
-        T, n_docs, head_dim, window_left, window_right, part if plan is None else None
+        T, n_docs, head_dim, window_left, window_right, max_seqlen, part if plan is None else None
     )
     if plan is None:
-        plan = _fill_plan(cu_seqlens, T, head_dim, layout, slots_at, size)
+        plan = _fill_plan(cu_seqlens, T, head_dim, max_seqlen, layout, slots_at, size)
     elif plan.shape != (size,) or plan.dtype != torch.int32:
         raise ValueError(
             f"plan {plan.dtype} {tuple(plan.shape)} was not made for this call: {T} tokens, {n_docs} "
-            f"documents, head dim {head_dim} and window ({window_left}, {window_right}) take int32 "
-            f"({size},)"
+            f"documents, head dim {head_dim}, window ({window_left}, {window_right}) and max_seqlen "
+            f"{max_seqlen} take int32 ({size},)"
         )
     views = [(launch, plan[at : at + 2 * n].view(2, n)) for launch, at, n in layout]
     tables = [(launch, tiles) for launch, tiles in views if launch.kernel in _PASSES[part]]
@@ -771,12 +793,16 @@ def _planned(plan, cu_seqlens, T: int, head_dim: int, window_left: int, window_r
 # Launchers
 
 
-def forward(q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_scale: float, plan=None):
+def forward(
+    q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_scale: float, plan=None,
+    max_seqlen: int | None = None,
+):
     """out [T, H, D] in q's dtype and lse [H, T] float32 (natural log). The last dims must be contiguous.
-    plan: from make_plan for the same documents, head dim and window, or None to make this pass's here."""
+    plan: from make_plan for the same documents, head dim, window and max_seqlen (None: T, no bound), or
+    None to make this pass's here."""
     T, H, D = q.shape
     _check_launch(q, k, v)
-    tables, _ = _planned(plan, cu_seqlens, T, D, window_left, window_right, "fwd")
+    tables, _ = _planned(plan, cu_seqlens, T, D, window_left, window_right, max_seqlen or T, "fwd")
     left, right = _window(T, window_left, window_right)
     BLOCK_D = _padded_dim(D)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -799,9 +825,10 @@ def forward(q, k, v, cu_seqlens, window_left: int, window_right: int, softmax_sc
 
 def backward(
     dout, q, k, v, out, lse, dlse, cu_seqlens, window_left: int, window_right: int, softmax_scale: float,
-    plan=None,
+    plan=None, max_seqlen: int | None = None,
 ):
-    """(dq, dk, dv) shaped like (q, k, v). dlse, the gradient on lse, may be None; plan as in `forward`.
+    """(dq, dk, dv) shaped like (q, k, v). dlse, the gradient on lse, may be None; plan and max_seqlen as
+    in `forward`.
 
     Causal attention over the whole past (flash-attn's default) takes the short documents' dQ from the dS
     that their dK/dV pass stores (bf16, about longest * T * H / 2 values for documents of up to `longest`
@@ -810,7 +837,7 @@ def backward(
     T, H, D = q.shape
     H_kv = k.shape[1]
     _check_launch(dout, q, k, v, out)
-    tables, doc_slots = _planned(plan, cu_seqlens, T, D, window_left, window_right, "bwd")
+    tables, doc_slots = _planned(plan, cu_seqlens, T, D, window_left, window_right, max_seqlen or T, "bwd")
     store_longest, store_blocks = block_config(D)["dkdv"][0]
     left, right = _window(T, window_left, window_right)
     BLOCK_D = _padded_dim(D)

@@ -22,15 +22,21 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("varlen_gpt::flash_attn_plan", mutates_args=())
 def flash_attn_plan_tables(
-    cu_seqlens: torch.Tensor, num_tokens: int, head_dim: int, window_left: int, window_right: int
+    cu_seqlens: torch.Tensor,
+    num_tokens: int,
+    head_dim: int,
+    window_left: int,
+    window_right: int,
+    max_seqlen: int,
 ) -> torch.Tensor:
-    return flash_attn.make_plan(cu_seqlens, num_tokens, head_dim, window_left, window_right)
+    return flash_attn.make_plan(cu_seqlens, num_tokens, head_dim, window_left, window_right, max_seqlen)
 
 
 @flash_attn_plan_tables.register_fake
-def _(cu_seqlens, num_tokens, head_dim, window_left, window_right):
+def _(cu_seqlens, num_tokens, head_dim, window_left, window_right, max_seqlen):
     n_docs = cu_seqlens.shape[0] - 1
-    return cu_seqlens.new_empty(flash_attn.plan_size(num_tokens, n_docs, head_dim, window_left, window_right))
+    size = flash_attn.plan_size(num_tokens, n_docs, head_dim, window_left, window_right, max_seqlen)
+    return cu_seqlens.new_empty(size)
 
 
 @torch.library.custom_op("varlen_gpt::flash_attn_varlen_fwd", mutates_args=())
@@ -43,13 +49,14 @@ def flash_attn_varlen_fwd(
     window_left: int,
     window_right: int,
     softmax_scale: float,
+    max_seqlen: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = map(_last_dim_contiguous, (q, k, v))
-    return flash_attn.forward(q, k, v, cu_seqlens, window_left, window_right, softmax_scale, plan)
+    return flash_attn.forward(q, k, v, cu_seqlens, window_left, window_right, softmax_scale, plan, max_seqlen)
 
 
 @flash_attn_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens, plan, window_left, window_right, softmax_scale):
+def _(q, k, v, cu_seqlens, plan, window_left, window_right, softmax_scale, max_seqlen):
     T, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((H, T), dtype=torch.float32)
 
@@ -68,30 +75,31 @@ def flash_attn_varlen_bwd(
     window_left: int,
     window_right: int,
     softmax_scale: float,
+    max_seqlen: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dout, q, k, v = map(_last_dim_contiguous, (dout, q, k, v))
     dlse = None if dlse is None else dlse.contiguous()
     return flash_attn.backward(
-        dout, q, k, v, out, lse, dlse, cu_seqlens, window_left, window_right, softmax_scale, plan
+        dout, q, k, v, out, lse, dlse, cu_seqlens, window_left, window_right, softmax_scale, plan, max_seqlen
     )
 
 
 @flash_attn_varlen_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens, plan, window_left, window_right, softmax_scale):
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens, plan, window_left, window_right, softmax_scale, max_seqlen):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, plan, window_left, window_right, softmax_scale = inputs
+    q, k, v, cu_seqlens, plan, window_left, window_right, softmax_scale, max_seqlen = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, plan)
-    ctx.args = (window_left, window_right, softmax_scale)
+    ctx.args = (window_left, window_right, softmax_scale, max_seqlen)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens, plan = ctx.saved_tensors
     dq, dk, dv = flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, plan, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 flash_attn_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -105,6 +113,7 @@ class FlashAttnPlan(NamedTuple):
     num_tokens: int
     head_dim: int
     window: tuple[int, int]  # (left, right) as the kernels take it: causal has right = 0
+    max_seqlen: int  # no document is longer (num_tokens: no bound)
 
 
 def _window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
@@ -119,15 +128,24 @@ def flash_attn_plan(
     *,
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
+    max_seqlen: int | None = None,
 ) -> FlashAttnPlan:
     """Schedule the kernels once for calls that share their documents (as flash-attn 3's scheduler
     metadata): pass it as `plan=` to every layer's `flash_attn_varlen` over the same cu_seqlens, and the
     forward and backward of each reuse it instead of building their tile tables per call (about seven
     small launches). A plan is only valid for the cu_seqlens it was made from; the token count, head dim
-    and window are checked at each call, the boundaries are not (that would wait on the device)."""
+    and window are checked at each call, the boundaries are not (that would wait on the device).
+
+    max_seqlen, where given, promises that no document is longer: the kernels' length classes above it
+    are then not launched (a launch with nothing to do still costs its programs' start-up, tens of us).
+    The promise is checked on the device, without waiting for it; on CUDA a broken one is a device-side
+    assert. A plan over a fixed max_seqlen (the loader's) compiles once; pass None where it varies."""
     window = _window(causal, window_size)
-    tables = flash_attn_plan_tables(cu_seqlens.to(torch.int32), num_tokens, head_dim, *window)
-    return FlashAttnPlan(tables, num_tokens, head_dim, window)
+    if max_seqlen is not None and max_seqlen < 1:
+        raise ValueError(f"max_seqlen must be positive, got {max_seqlen}")
+    bound = num_tokens if max_seqlen is None else min(max_seqlen, num_tokens)
+    tables = flash_attn_plan_tables(cu_seqlens.to(torch.int32), num_tokens, head_dim, *window, bound)
+    return FlashAttnPlan(tables, num_tokens, head_dim, window, bound)
 
 
 def flash_attn_varlen(
@@ -151,7 +169,7 @@ def flash_attn_varlen(
     plan: from `flash_attn_plan` over the same cu_seqlens, or None for the forward and the backward to
     build their own tile tables.
     max_seqlen is accepted for compatibility with flash-attn and not used: the work is scheduled from
-    cu_seqlens on the device, so nothing depends on it.
+    cu_seqlens on the device, so a new value does not recompile. A plan's max_seqlen bounds its launches.
     """
     T, H, D = q.shape
     if k.shape != v.shape or k.shape[0] != T or k.shape[2] != D or H % k.shape[1]:
@@ -175,6 +193,6 @@ def flash_attn_varlen(
             f"plan was made for {plan.num_tokens} tokens, head dim {plan.head_dim}, window {plan.window}; "
             f"this call has {T} tokens, head dim {D}, window {window}"
         )
-    tables = None if plan is None else plan.tables
-    out, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens.to(torch.int32), tables, *window, scale)
+    tables, bound = (None, T) if plan is None else (plan.tables, plan.max_seqlen)
+    out, _ = flash_attn_varlen_fwd(q, k, v, cu_seqlens.to(torch.int32), tables, *window, scale, bound)
     return out

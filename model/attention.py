@@ -40,8 +40,10 @@ class Attention:
     def prepare(self, cu_seqlens: torch.Tensor, max_seqlen: int, num_tokens: int) -> dict:
         ctx = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
         if self.name == "triton":
+            plan = self._plan
             ctx["plans"] = {
-                w: self._plan(cu_seqlens, num_tokens, self.head_dim, window_size=(w, 0)) for w in self.windows
+                w: plan(cu_seqlens, num_tokens, self.head_dim, window_size=(w, 0), max_seqlen=max_seqlen)
+                for w in self.windows
             }
         if self.name == "flex":
             ctx["block_masks"] = {w: _document_block_mask(cu_seqlens, num_tokens, w) for w in self.windows}

@@ -79,7 +79,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 def forward_op(q, k, v, cu, window, scale):
     """(out, lse) of the forward op, with the plan it is given in flash_attn_varlen."""
     plan = flash_attn_plan(cu, q.shape[0], q.shape[2], causal=False, window_size=window)
-    return flash_attn_varlen_fwd(q, k, v, cu, plan.tables, *window, scale)
+    return flash_attn_varlen_fwd(q, k, v, cu, plan.tables, *window, scale, plan.max_seqlen)
 
 
 def run_kernel(q, k, v, cu, window, scale, dout, dlse=None):
@@ -118,10 +118,11 @@ def test_tile_table_lists_each_block_once():
             table = flash_attn.tile_table(cu, n, block, last_first, shortest, longest)
             bound = math.ceil(n / block) + min(len(lengths), n // (shortest + 1))
             assert table.shape == (2, bound) and table.dtype == torch.int32
+            # The tail (segment len(lengths)) belongs to the tables with shortest 0, whatever its length.
             expected = sorted(
                 (s, b)
                 for s, size in enumerate(sizes)
-                if shortest < size <= (longest or n)
+                if shortest < size <= (longest or n) or (s == len(lengths) and shortest == 0)
                 for b in range(math.ceil(size / block))
             )
             real = table[0] >= 0
@@ -236,6 +237,37 @@ def test_compile_has_no_graph_break_and_no_recompile():
         loss_fn(q, k, v, cu, max(lengths), False).backward()
         assert all(torch.equal(g, x.grad) for g, x in zip(grads, (q, k, v), strict=True))
     assert counter.frame_count == 1
+
+
+def test_plan_bounded_by_max_seqlen_skips_the_longer_classes():
+    """Documents of at most 24 tokens and a tail of 120: a plan bounded by max_seqlen=24 launches none of
+    the interpreter config's classes above 24 (40 for the forward, 56 for dK/dV), so it is smaller, yet it
+    gives the same outputs and gradients bitwise, the tail's zeros included, and they match float64. A
+    document longer than the bound is refused."""
+    lengths = [24, 3, 17, 0, 24, 1, 3]
+    q, k, v, cu = make_inputs(lengths, 32, 2, 1, torch.float16)
+    dout = torch.randn(T, 2, 32)
+
+    def run(max_seqlen):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        plan = flash_attn_plan(cu, T, 32, window_size=(-1, 0), max_seqlen=max_seqlen)
+        out = flash_attn_varlen(*x, cu, 24, window_size=(-1, 0), plan=plan)
+        (out.float() * dout).sum().backward()
+        return plan, [out.detach(), *(t.grad for t in x)]
+
+    bounded, got = run(24)
+    unbounded, want = run(None)
+    assert bounded.max_seqlen == 24 and unbounded.max_seqlen == T
+    assert bounded.tables.numel() < unbounded.tables.numel()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all((x[sum(lengths) :] == 0).all() for x in got)
+    ref = run_reference(q, k, v, cu, (-1, 0), 32**-0.5, dout)
+    for x, r in zip(got, (ref[0], *ref[2:]), strict=True):
+        assert rel_err(x, r) < TOL[torch.float16]
+    with pytest.raises(RuntimeError, match="a document is longer than max_seqlen=23"):
+        flash_attn_plan(cu, T, 32, window_size=(-1, 0), max_seqlen=23)
+    with pytest.raises(ValueError, match="max_seqlen must be positive"):
+        flash_attn_plan(cu, T, 32, max_seqlen=0)
 
 
 def test_plan_that_does_not_fit_the_call_is_refused():

@@ -44,7 +44,7 @@ def grads(fn, q, k, v, cu, dout):
 def ours(window):
     def run(q, k, v, cu):
         plan = flash_attn_plan(cu, q.shape[0], q.shape[2], causal=False, window_size=window)
-        return flash_attn_varlen_fwd(q, k, v, cu, plan.tables, *window, q.shape[-1] ** -0.5)
+        return flash_attn_varlen_fwd(q, k, v, cu, plan.tables, *window, q.shape[-1] ** -0.5, plan.max_seqlen)
 
     return run
 
