@@ -32,12 +32,17 @@ class ModelConfig:
     # term ([vocab, width]) lives to the end of the forward. At d12 on an H200, 8,192 peaked 1.5 GB lower
     # than 4,096, at the same speed.
     loss_chunk_tokens: int = 8192
-    # On Hopper, the MLP's first product and its gradient's run kernels/gemm_hopper.py, with ReLU^2 and its
-    # derivative in their epilogues; false (or another device) runs cuBLAS plus compiled elementwise kernels.
+    # On Hopper, the MLP's first product and its gradient's run kernels/gemm_hopper.py, with the input's
+    # RMSNorm, ReLU^2 and its derivative in their epilogues (kernels/mlp.py); false (or another device) runs
+    # cuBLAS plus compiled elementwise kernels.
     fused_mlp: bool = True
     # On Hopper, queries and keys come from one product of kernels/gemm_hopper.py with RoPE and QK-norm in
     # its epilogue (head_dim dividing 256); false (or another device) runs cuBLAS plus compiled kernels.
     fused_rope_norm: bool = True
+    # On Hopper, attention's output projection adds its product to the residual stream in the epilogue of
+    # kernels/gemm_hopper.py's product (kernels/residual.py); false (or another device) runs cuBLAS's
+    # addmm, which copies the stream first.
+    fused_residual: bool = True
 
 
 @dataclass

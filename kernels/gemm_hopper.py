@@ -1,5 +1,5 @@
 """Matrix products with the elementwise work that follows them in their epilogue: a persistent,
-warp-specialised matmul in Gluon for Hopper, with three epilogues.
+warp-specialised matmul in Gluon for Hopper, with four epilogues.
 
 The ReLU^2 MLP. With h = x W1^T, its hidden activation is a = relu(h)^2, and its gradient dh = da * 2 relu(h).
 Since relu(h) = sqrt(a), the backward needs only a, which the forward keeps in place of h:
@@ -9,6 +9,9 @@ Since relu(h) = sqrt(a), the backward needs only a, which the forward keeps in p
 
 With cuBLAS, h is written and read back to write a, and in the backward da is written and read back with h
 to write dh: 14 bytes of traffic per hidden activation (bf16), of which these epilogues leave 6.
+Both take the MLP's input un-normalised, with each row's 1/rms (`Rstd`, [M]): rms_norm(x) W1^T scales the
+rows of x W1^T, so the forward scales its accumulator's rows, and the backward scales dh's rows, which makes
+dh^T x the gradient of W1 and dh W1 the normalised input's gradient scaled by 1/rms (kernels/mlp.py).
 
 Attention's queries and keys (`rope_norm_matmul`): q = rms_norm(rope(x Wq^T)) per head, and k likewise, from
 one launch over the output tiles of both (the keys' tiles follow the queries'). A tile of 256 columns holds
@@ -16,14 +19,20 @@ whole heads, so its epilogue rotates and normalises them in place: the product's
 bits into shared memory (as cuBLAS's would be), read back as halves of heads, rotated with each row's cos and
 sin and scaled by the head's 1/rms, which also goes to global memory for the backward (kernels/rope_norm.py).
 
+The residual stream's update by a block's output projection (`residual_matmul`): out = r + y W^T. cuBLAS
+does it as an addmm, which first copies r into the output (a read and a write of the stream) and then reads
+it back in its epilogue; this epilogue reads r once.
+
 C = epilogue(A B^T) for A [M, K] and B [N, K], both row-major: B is W1 (an nn.Linear weight) in the MLP's
-forward, a transposed copy of W2 in its backward, Wq then Wk for queries and keys. Each program loops over
+forward, a transposed copy of W2 in its backward, Wq then Wk for queries and keys, the projection's weight
+for the residual. Each program loops over
 output tiles of BM x BN (tile t + i * programs). Three partitions:
 - a load warp streams the tiles' A and B blocks of BK columns by TMA into a ring of STAGES slots, running
   on into the next tile while the warpgroups finish the last one;
 - two warpgroups own 64 of a tile's rows each: they accumulate over K with asynchronous products, keeping
   one in flight, then apply the epilogue and store through shared memory by TMA, whose completion is only
-  awaited before the next tile's store.
+  awaited before the next tile's store. The epilogues that read a tile of another [M, N] tensor (the MLP's
+  a in its backward, the residual) load it by TMA into the output buffer during the K loop.
 """
 
 import torch
@@ -51,7 +60,7 @@ WARPS = 4
 # At 168 registers a thread the 384 threads hold the register file, shared out as 240 / 240 / 24.
 MAX_REGISTERS = 168
 # The epilogues.
-RELU2, RELU2_GRAD, ROPE_NORM = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+RELU2, RELU2_GRAD, ROPE_NORM, RESIDUAL = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
 # RMSNorm's epsilon: float32's machine epsilon, as model/gpt.py's rms_norm.
 NORM_EPS = gl.constexpr(torch.finfo(torch.float32).eps)
 
@@ -125,7 +134,8 @@ def _rope_norm_epilogue(out, cos, sin, Rstd, r0, M, head0, heads, first, n_heads
 
 
 @gluon.jit
-def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   SCALE_ROWS: gl.constexpr):
     """Warpgroup WG: rows 64 WG .. 64 WG + 63 of each tile, accumulated over K, then the epilogue."""
     (a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
      Cos, Sin, Rstd, M, N, N2, K, n_tiles, n_tiles_n1, n_tiles_n) = args
@@ -140,7 +150,7 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     out = c_smem.index(WG)
     n_k = gl.cdiv(K, BK)
-    # The backward loads the forward's activations of a tile into the output buffer at this step of K: late
+    # The tile that the epilogue reads (g_desc's) is loaded into the output buffer at this step of K: late
     # enough for the last tile's store to have left the buffer, early enough to land before the epilogue.
     g_step = gl.minimum(n_k - 1, 2)
     j = 0
@@ -158,17 +168,22 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             if kk > 0:
                 mbarrier.arrive(free.index((j - 1) % NS), count=1)
-            if EPILOGUE == RELU2_GRAD:
+            if (EPILOGUE == RELU2_GRAD) or (EPILOGUE == RESIDUAL):
                 if kk == g_step:
                     tma.store_wait(0)
                     mbarrier.expect(g_ready.index(WG), g_desc.block_type.nbytes)
                     _tma_load(g_desc, [r0, n0], g_ready.index(WG), out)
             j += 1
+        # Loads issued before the last product's wait, so that their latency hides behind it.
         if EPILOGUE == ROPE_NORM:
-            # Issued before the last product's wait, so that their latency hides behind it.
             cos, sin = _rotary_tables(Cos, Sin, r0, M, HALF, HEAD_DIM // 2, rows_layout)
+        if SCALE_ROWS:
+            rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
+            scale = gl.load(Rstd + rows, mask=rows < M, other=0.0)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(free.index((j - 1) % NS), count=1)
+        if SCALE_ROWS:
+            acc = acc * scale[:, None]
 
         if EPILOGUE == RELU2:
             acc = gl.maximum(acc, 0.0)
@@ -178,6 +193,10 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
         elif EPILOGUE == RELU2_GRAD:
             mbarrier.wait(g_ready.index(WG), i & 1)
             acc = acc * (2.0 * gl.sqrt(out.load(mma).to(gl.float32)))
+            out.store(acc.to(c_desc.dtype))
+        elif EPILOGUE == RESIDUAL:
+            mbarrier.wait(g_ready.index(WG), i & 1)
+            acc = acc + out.load(mma).to(gl.float32)  # one rounding of the sum, as addmm's
             out.store(acc.to(c_desc.dtype))
         else:
             tma.store_wait(0)
@@ -197,13 +216,14 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
 
 
 @gluon.jit
-def _second_mma_partition(args, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr):
-    _mma_partition(args, 1, EPILOGUE, HEAD_DIM)
+def _second_mma_partition(args, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_ROWS: gl.constexpr):
+    _mma_partition(args, 1, EPILOGUE, HEAD_DIM, SCALE_ROWS)
 
 
 @gluon.jit
 def _matmul_kernel(a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Cos, Sin, Rstd, M, N, N2, K,
-                   EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                   EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_ROWS: gl.constexpr,
+                   STAGES: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -223,8 +243,8 @@ def _matmul_kernel(a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Cos, Sin, R
     args = (a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
             Cos, Sin, Rstd, M, N, N2, K, n_tiles, n_tiles_n1, n_tiles_n)
     gl.warp_specialize([
-        (_mma_partition, (args, 0, EPILOGUE, HEAD_DIM)),
-        (_second_mma_partition, (args, EPILOGUE, HEAD_DIM)),
+        (_mma_partition, (args, 0, EPILOGUE, HEAD_DIM, SCALE_ROWS)),
+        (_second_mma_partition, (args, EPILOGUE, HEAD_DIM, SCALE_ROWS)),
         (_load_partition, (args, )),
     ], [4, 1], [240, 24])
 
@@ -250,33 +270,58 @@ def _descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
-def relu2_matmul(x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
-    """a = relu(x w1^T)^2 for x [M, K] and w1 [N, K]."""
+def _check_rstd(rstd: torch.Tensor | None, M: int) -> None:
+    if rstd is not None and (rstd.shape != (M,) or rstd.dtype != torch.float32 or not rstd.is_contiguous()):
+        raise ValueError(f"rstd {rstd.dtype} {tuple(rstd.shape)}: expected contiguous float32 [{M}]")
+
+
+def relu2_matmul(x: torch.Tensor, w1: torch.Tensor, rstd: torch.Tensor | None = None) -> torch.Tensor:
+    """a = relu(x w1^T)^2 for x [M, K] and w1 [N, K]; with rstd (float32 [M]), of x's rows scaled by it."""
     (M, K), N = x.shape, w1.shape[0]
     if w1.shape[1] != K:
         raise ValueError(f"x {tuple(x.shape)} and w1 {tuple(w1.shape)}: expected [M, K] and [N, K]")
+    _check_rstd(rstd, M)
     a = x.new_empty(M, N)
     a_desc, w1_desc = _descriptor(a, [BM // 2, BN]), _descriptor(w1, [BN, BK])
-    _launch(RELU2, _descriptor(x, [BM, BK]), w1_desc, w1_desc, a_desc, a_desc, a_desc, M, N, 0, K)
+    _launch(RELU2, _descriptor(x, [BM, BK]), w1_desc, w1_desc, a_desc, a_desc, a_desc, M, N, 0, K, rstd=rstd)
     return a
 
 
-def relu2_grad_matmul(g: torch.Tensor, w2_t: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+def relu2_grad_matmul(
+    g: torch.Tensor, w2_t: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor | None = None
+) -> torch.Tensor:
     """dh = (g w2) * 2 sqrt(a) for g [M, K], w2_t = w2^T [N, K] (row-major, as an nn.Linear weight) and the
-    forward's a [M, N]."""
+    forward's a [M, N]; with rstd (float32 [M]), its rows scaled by it."""
     (M, K), N = g.shape, w2_t.shape[0]
     if w2_t.shape[1] != K or a.shape != (M, N):
         raise ValueError(
             f"g {tuple(g.shape)}, w2_t {tuple(w2_t.shape)}, a {tuple(a.shape)}: "
             "expected [M, K], [N, K], [M, N]"
         )
+    _check_rstd(rstd, M)
     dh = g.new_empty(M, N)
     w_desc, dh_desc = _descriptor(w2_t, [BN, BK]), _descriptor(dh, [BM // 2, BN])
     _launch(
         RELU2_GRAD, _descriptor(g, [BM, BK]), w_desc, w_desc, dh_desc, dh_desc, _descriptor(a, [BM // 2, BN]),
-        M, N, 0, K,
+        M, N, 0, K, rstd=rstd,
     )
     return dh
+
+
+def residual_matmul(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """r + y w^T for r [M, N], y [M, K] and w [N, K]."""
+    (M, K), N = y.shape, w.shape[0]
+    if w.shape[1] != K or r.shape != (M, N):
+        raise ValueError(
+            f"r {tuple(r.shape)}, y {tuple(y.shape)}, w {tuple(w.shape)}: expected [M, N], [M, K], [N, K]"
+        )
+    out = y.new_empty(M, N)
+    w_desc, out_desc = _descriptor(w, [BN, BK]), _descriptor(out, [BM // 2, BN])
+    _launch(
+        RESIDUAL, _descriptor(y, [BM, BK]), w_desc, w_desc, out_desc, out_desc, _descriptor(r, [BM // 2, BN]),
+        M, N, 0, K,
+    )
+    return out
 
 
 def rope_norm_matmul(
@@ -307,10 +352,13 @@ def rope_norm_matmul(
 
 def _launch(epilogue: gl.constexpr, a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, M: int, N: int, N2: int,
             K: int, cos=None, sin=None, rstd=None, head_dim: int = 0) -> None:
-    """C = epilogue(A B^T) over the columns of B (N) and then of B2 (N2) if any, into C and C2."""
+    """C = epilogue(A B^T) over the columns of B (N) and then of B2 (N2) if any, into C and C2. rstd: written
+    by the q/k product, read (rows' scales, where given) by the MLP's."""
     n_tiles = triton.cdiv(M, BM) * (triton.cdiv(N, BN) + triton.cdiv(N2, BN))
     programs = min(n_tiles, torch.cuda.get_device_properties(a_desc.base.device).multi_processor_count)
+    scale_rows = rstd is not None and epilogue.value != ROPE_NORM.value
     _matmul_kernel[(programs,)](
         a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, cos, sin, rstd, M, N, N2, K,
-        EPILOGUE=epilogue.value, HEAD_DIM=head_dim, STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+        EPILOGUE=epilogue.value, HEAD_DIM=head_dim, SCALE_ROWS=scale_rows,
+        STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )

@@ -1,18 +1,35 @@
-"""`relu2_mlp`: the ReLU^2 MLP, out = relu(x W1^T)^2 W2^T, as PyTorch custom operators with autograd.
+"""`relu2_mlp`: the pre-norm ReLU^2 MLP, out = relu(rms_norm(x) W1^T)^2 W2^T, as PyTorch custom operators
+with autograd.
 
-On Hopper the products that feed and follow the activation run kernels/gemm_hopper.py, which does the
-elementwise work in their epilogues: the forward writes a = relu(x W1^T)^2 straight from the product (never
-h = x W1^T), and the backward writes dh = (g W2) * 2 sqrt(a) straight from its product, with sqrt(a) =
-relu(h) standing in for the h that was never kept. The weight gradients run kernels/wgrad_hopper.py where
-that beats cuBLAS (its `preferred`: d20's widths at full batch); the other products are cuBLAS's.
-Elsewhere the operators run the same formulas in PyTorch (`reference_*`).
+The RMSNorm is never written out. With r = 1/rms of each row of x, rms_norm(x) W1^T = r * (x W1^T) row by
+row, so the first product reads x itself and scales its rows. On Hopper the products that feed and follow
+the activation run kernels/gemm_hopper.py, which does the elementwise work in their epilogues: the forward
+writes a = relu(r * x W1^T)^2 straight from the product (never h, nor the normalised x), and the backward
+writes dh = r * (g W2) * 2 sqrt(a) straight from its product, with sqrt(a) = relu(h) standing in for the h
+that was never kept. With that dh, dh^T x is W1's gradient and u = dh W1 is r times the normalised input's
+gradient, from which the norm's backward is dx = u - x r^2 mean(u x). The weight gradients run
+kernels/wgrad_hopper.py where that beats cuBLAS (its `preferred`: d20's widths at full batch); the other
+products are cuBLAS's. Elsewhere the operators run the same formulas in PyTorch (`reference_*`).
 The operators take W2 transposed ([H, C], row-major), so that both fused products read their weight in
 nn.Linear's layout; `relu2_mlp` makes that copy (cast and transpose in one compiled kernel when traced).
 End to end that measured the same as a kernel that reads W2 as it is.
-Both operators have fake implementations, so torch.compile traces through them without a graph break.
+Both operators have fake implementations, so torch.compile traces through them without a graph break; the
+norm's backward is plain PyTorch, which the compiler fuses with whatever adds to x's gradient (the residual).
 """
 
-import torch
+import torch  # noqa: I001 (kernels.flash_attn must come before triton)
+
+# Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
+from kernels.flash_attn import check_interpreter
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+# RMSNorm's epsilon, as model/gpt.py's rms_norm.
+RMS_EPS = torch.finfo(torch.float32).eps
+# The 1/rms kernel's rows per program and columns per step (H200: 50 us at d20's 65,536 x 1,280, against
+# 65 us for 16 rows of 512 columns; a copy of that size takes about 40).
+RSTD_ROWS, RSTD_COLS = 4, 256
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
@@ -21,6 +38,10 @@ def _fused(*tensors: torch.Tensor) -> bool:
     from kernels import gemm_hopper
 
     return gemm_hopper.supported(*tensors)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -33,73 +54,117 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g.t() @ x
 
 
-def reference_forward(x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
-    """a = relu(x w1^T)^2."""
-    return torch.relu(x @ w1.t()).square()
+@triton.jit
+def _rstd_kernel(X, Rstd, T, C, eps, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    base = X + rows.to(tl.int64)[:, None] * C
+    total = tl.zeros([ROWS], tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        x = tl.load(base + cols[None, :], mask=(rows[:, None] < T) & (cols[None, :] < C), other=0.0)
+        total += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+    tl.store(Rstd + rows, tl.rsqrt(total / C + eps), mask=rows < T)
 
 
-def reference_grad(g: torch.Tensor, w2_t: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """dh = (g w2) * 2 sqrt(a), with w2_t = w2^T: d relu(h)^2 / dh = 2 relu(h), and relu(h) = sqrt(a)."""
-    return (g @ w2_t.t()) * (2 * a.sqrt())
+def rstd_kernel(x: torch.Tensor) -> torch.Tensor:
+    """float32 1/rms of each row of a contiguous x [T, C] by the Triton kernel: one read of x."""
+    check_interpreter()
+    T, C = x.shape
+    rstd = torch.empty(T, device=x.device, dtype=torch.float32)
+    block_c = min(triton.next_power_of_2(C), RSTD_COLS)
+    _rstd_kernel[(triton.cdiv(T, RSTD_ROWS),)](x, rstd, T, C, RMS_EPS, ROWS=RSTD_ROWS, BLOCK_C=block_c)
+    return rstd
+
+
+def row_rstd(x: torch.Tensor) -> torch.Tensor:
+    """1/rms of each row of x [T, C], float32 (float64 for a float64 x, in PyTorch)."""
+    if x.is_cuda and x.dtype != torch.float64:
+        return rstd_kernel(x)
+    return torch.rsqrt(x.to(_wide(x.dtype)).square().mean(dim=-1) + RMS_EPS)
+
+
+def reference_forward(x: torch.Tensor, w1: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """a = relu(rstd * x w1^T)^2, rows scaled (in float32 at least, rounded to x's dtype)."""
+    h = (x @ w1.t()).to(rstd.dtype) * rstd[:, None]
+    return torch.relu(h).square().to(x.dtype)
+
+
+def reference_grad(g: torch.Tensor, w2_t: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """dh = rstd * (g w2) * 2 sqrt(a), with w2_t = w2^T: d relu(h)^2 / dh = 2 relu(h), relu(h) = sqrt(a)."""
+    da = (g @ w2_t.t()).to(rstd.dtype)
+    return (da * (2 * a.to(rstd.dtype).sqrt()) * rstd[:, None]).to(g.dtype)
 
 
 @torch.library.custom_op("varlen_gpt::relu2_mlp_fwd", mutates_args=())
-def relu2_mlp_fwd(x: torch.Tensor, w1: torch.Tensor, w2_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def relu2_mlp_fwd(
+    x: torch.Tensor, w1: torch.Tensor, w2_t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rstd = row_rstd(x)
     if _fused(x, w1):
         from kernels.gemm_hopper import relu2_matmul
 
-        a = relu2_matmul(x, w1)
+        a = relu2_matmul(x, w1, rstd)
     else:
-        a = reference_forward(x, w1)
-    return a @ w2_t, a
+        a = reference_forward(x, w1, rstd)
+    return a @ w2_t, a, rstd
 
 
 @relu2_mlp_fwd.register_fake
 def _(x, w1, w2_t):
-    return x.new_empty(x.shape[0], w2_t.shape[1]), x.new_empty(x.shape[0], w1.shape[0])
+    rstd = x.new_empty(x.shape[0], dtype=_wide(x.dtype))
+    return x.new_empty(x.shape[0], w2_t.shape[1]), x.new_empty(x.shape[0], w1.shape[0]), rstd
 
 
 @torch.library.custom_op("varlen_gpt::relu2_mlp_bwd", mutates_args=())
 def relu2_mlp_bwd(
-    g: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2_t: torch.Tensor, a: torch.Tensor
+    g: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2_t: torch.Tensor,
+    a: torch.Tensor,
+    rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u, dW1, dW2), u = rstd * the normalised input's gradient (see the module docstring)."""
     g = g.contiguous()
     if _fused(g, w2_t, a):
         from kernels.gemm_hopper import relu2_grad_matmul
 
-        dh = relu2_grad_matmul(g, w2_t, a)
+        dh = relu2_grad_matmul(g, w2_t, a, rstd)
     else:
-        dh = reference_grad(g, w2_t, a)
+        dh = reference_grad(g, w2_t, a, rstd)
     # W2's gradient in W2's layout, seen as W2^T's: the fp32 gradient that autograd adds up over the
     # micro-batches then has W2's layout too, which takes a vectorised add instead of a strided one.
     return dh @ w1, _weight_grad(dh, x), _weight_grad(g, a).t()
 
 
 @relu2_mlp_bwd.register_fake
-def _(g, x, w1, w2_t, a):
+def _(g, x, w1, w2_t, a, rstd):
     return x.new_empty(x.shape), w1.new_empty(w1.shape), w2_t.new_empty(w2_t.shape[1], w2_t.shape[0]).t()
 
 
 def _setup_context(ctx, inputs, output):
     x, w1, w2_t = inputs
-    ctx.save_for_backward(x, w1, w2_t, output[1])
+    ctx.save_for_backward(x, w1, w2_t, output[1], output[2])
 
 
-def _backward(ctx, grad_out, grad_a):
-    # a is an output only so that the backward can keep it; nothing downstream differentiates it.
-    x, w1, w2_t, a = ctx.saved_tensors
-    return relu2_mlp_bwd(grad_out, x, w1, w2_t, a)
+def _backward(ctx, grad_out, grad_a, grad_rstd):
+    # a and rstd are outputs only so that the backward can keep them; nothing downstream differentiates them.
+    x, w1, w2_t, a, rstd = ctx.saved_tensors
+    u, dw1, dw2 = relu2_mlp_bwd(grad_out, x, w1, w2_t, a, rstd)
+    xf, uf = x.to(rstd.dtype), u.to(rstd.dtype)
+    dx = uf - xf * (rstd.square() * (uf * xf).mean(dim=-1))[:, None]
+    return dx.to(x.dtype), dw1, dw2
 
 
 relu2_mlp_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def relu2_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """relu(x w1^T)^2 w2^T for x [T, C], w1 [H, C] and w2 [C, H], in x's dtype (the weights are cast to it,
-    as autocast would cast them for the products)."""
+    """relu(rms_norm(x) w1^T)^2 w2^T for x [T, C], w1 [H, C] and w2 [C, H], in x's dtype (the weights are
+    cast to it, as autocast would cast them for the products)."""
     if x.dim() != 2 or w1.shape != (w2.shape[1], x.shape[1]) or w2.shape[0] != x.shape[1]:
         raise ValueError(
             f"x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}: expected [T, C], [H, C], [C, H]"
         )
-    out, _ = relu2_mlp_fwd(x.contiguous(), w1.to(x.dtype), w2.t().to(x.dtype).contiguous())
+    out, _, _ = relu2_mlp_fwd(x.contiguous(), w1.to(x.dtype), w2.t().to(x.dtype).contiguous())
     return out

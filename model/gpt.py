@@ -76,16 +76,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, shape: GPTShape, window: int, fused_rope_norm: bool):
+    def __init__(self, shape: GPTShape, window: int, fused_rope_norm: bool, fused_residual: bool):
         super().__init__()
-        self.shape, self.window, self.fused_rope_norm = shape, window, fused_rope_norm
+        self.shape, self.window = shape, window
+        self.fused_rope_norm, self.fused_residual = fused_rope_norm, fused_residual
         d, hd = shape.n_embd, shape.head_dim
         self.c_q = nn.Linear(d, shape.n_head * hd, bias=False)
         self.c_k = nn.Linear(d, shape.n_kv_head * hd, bias=False)
         self.c_v = nn.Linear(d, shape.n_kv_head * hd, bias=False)
         self.c_proj = nn.Linear(shape.n_head * hd, d, bias=False)
 
-    def forward(self, x, rotary, attention: Attention, ctx: dict):
+    def forward(self, x, residual, rotary, attention: Attention, ctx: dict):
+        """residual + the attention's output projected, for x = rms_norm(residual)."""
         T, s = x.shape[0], self.shape
         if self.fused_rope_norm and hopper_kernels_run_on(x, s.head_dim):
             from kernels.rope_norm import qk_rope_norm
@@ -98,8 +100,12 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
             q, k = rms_norm(q), rms_norm(k)  # QK-norm keeps attention logits bounded
         v = self.c_v(x).view(T, s.n_kv_head, s.head_dim)
-        y = attention.attend(q, k, v, ctx, self.window)
-        return self.c_proj(y.reshape(T, -1))
+        y = attention.attend(q, k, v, ctx, self.window).reshape(T, -1)
+        if self.fused_residual and hopper_kernels_run_on(residual):
+            from kernels.residual import residual_linear
+
+            return residual_linear(residual, y, self.c_proj.weight)
+        return residual + self.c_proj(y)
 
 
 class MLP(nn.Module):
@@ -110,11 +116,12 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
 
     def forward(self, x):
+        """The MLP of rms_norm(x) (the fused operator never writes the normalised x out)."""
         if self.fused and hopper_kernels_run_on(x):
             from kernels.mlp import relu2_mlp
 
             return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        return self.c_proj(F.relu(self.c_fc(rms_norm(x))).square())
 
 
 def hopper_kernels_run_on(x: torch.Tensor, head_dim: int | None = None) -> bool:
@@ -137,14 +144,14 @@ def hopper_kernels_run_on(x: torch.Tensor, head_dim: int | None = None) -> bool:
 
 
 class Block(nn.Module):
-    def __init__(self, shape: GPTShape, window: int, fused_mlp: bool, fused_rope_norm: bool):
+    def __init__(self, shape: GPTShape, window: int, cfg):
         super().__init__()
-        self.attn = CausalSelfAttention(shape, window, fused_rope_norm)
-        self.mlp = MLP(shape.n_embd, fused_mlp)
+        self.attn = CausalSelfAttention(shape, window, bool(cfg.fused_rope_norm), bool(cfg.fused_residual))
+        self.mlp = MLP(shape.n_embd, bool(cfg.fused_mlp))
 
     def forward(self, x, rotary, attention, ctx):
-        x = x + self.attn(rms_norm(x), rotary, attention, ctx)
-        return x + self.mlp(rms_norm(x))
+        x = self.attn(rms_norm(x), x, rotary, attention, ctx)  # x + attention
+        return x + self.mlp(x)
 
 
 def layer_windows(pattern: str, short_window: int, n_layer: int) -> list[int]:
@@ -167,9 +174,7 @@ class GPT(nn.Module):
         windows = layer_windows(cfg.window_pattern, cfg.short_window, s.n_layer)
         self.attention = Attention(attention, windows, s.head_dim)
         self.wte = nn.Embedding(s.padded_vocab_size, s.n_embd)
-        self.blocks = nn.ModuleList(
-            Block(s, w, bool(cfg.fused_mlp), bool(cfg.fused_rope_norm)) for w in windows
-        )
+        self.blocks = nn.ModuleList(Block(s, w, cfg) for w in windows)
         self.lm_head = nn.Linear(s.n_embd, s.padded_vocab_size, bias=False)
         # Precomputed once: computed inside the compiled forward, the cos/sin would be fused into (and
         # recomputed by) every layer's rotary kernel. Not saved: they follow from the config.

@@ -51,7 +51,12 @@ KERNELS = {
     "dkdv": fa._bwd_dkdv_kernel,
     "dq_stored": fa._bwd_dq_stored_kernel,
 }
-GEMM_KERNELS = {"relu2": gh.RELU2, "relu2_grad": gh.RELU2_GRAD, "rope_norm": gh.ROPE_NORM}
+GEMM_KERNELS = {
+    "relu2": gh.RELU2,
+    "relu2_grad": gh.RELU2_GRAD,
+    "rope_norm": gh.ROPE_NORM,
+    "residual": gh.RESIDUAL,
+}
 # The products of Hopper alone, each by its inspector: gemm_hopper's epilogues and wgrad_hopper's.
 HOPPER_PRODUCTS = [*GEMM_KERNELS, "wgrad"]
 FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd", "Part"}
@@ -266,9 +271,15 @@ def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
     fn = gh._matmul_kernel
     # The sizes M, N, N2, K: multiples of 16 in the model.
     rope = epilogue == gh.ROPE_NORM
-    constants = dict(EPILOGUE=epilogue.value, HEAD_DIM=128 if rope else 0, STAGES=gh.STAGES)
+    # The MLP's products scale their rows by the input's 1/rms, as the model runs them.
+    scale_rows = epilogue in (gh.RELU2, gh.RELU2_GRAD)
+    constants = dict(
+        EPILOGUE=epilogue.value, HEAD_DIM=128 if rope else 0, SCALE_ROWS=scale_rows, STAGES=gh.STAGES
+    )
     if not rope:
-        constants |= dict(Cos=None, Sin=None, Rstd=None)
+        constants |= dict(Cos=None, Sin=None)
+    if not (rope or scale_rows):
+        constants |= dict(Rstd=None)
     sig, constexprs, attrs = _signature(fn, constants, descriptor, aligned_ints={"M", "N", "N2", "K"})
     source = GluonASTSource(fn, sig, constexprs, attrs)
     options = dict(num_warps=gh.WARPS, maxnreg=gh.MAX_REGISTERS)

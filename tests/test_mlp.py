@@ -1,17 +1,18 @@
-"""The ReLU^2 MLP operator (kernels/mlp.py): its autograd against float64 autograd of the plain formula,
-through torch.compile, and (on Hopper) its Gluon products at training sizes."""
+"""The pre-norm ReLU^2 MLP operator (kernels/mlp.py): its autograd against float64 autograd of the plain
+formula (F.rms_norm, then the products), through torch.compile, its 1/rms kernel in Triton's interpreter, and
+(on Hopper) its Gluon products at training sizes."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.mlp import relu2_mlp
+from kernels.mlp import RMS_EPS, relu2_mlp, rstd_kernel
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def plain_mlp(x, w1, w2):
-    return F.relu(x @ w1.t()).square() @ w2.t()
+    return F.relu(F.rms_norm(x, (x.shape[1],), eps=RMS_EPS) @ w1.t()).square() @ w2.t()
 
 
 def inputs(T, C, H, dtype, device="cpu", seed=0):
@@ -34,7 +35,8 @@ def rel_err(x, ref):
 
 
 def test_operator_matches_autograd_of_the_formula():
-    """float64 on the CPU: the operator's backward (with sqrt(a) for relu(h)) equals autograd's."""
+    """float64 on the CPU: the operator's backward (with sqrt(a) for relu(h), the norm's rows scaled into the
+    products) equals autograd's."""
     x, w1, w2 = inputs(37, 24, 96, torch.float64)
     dout = torch.randn(37, 24, dtype=torch.float64)
     got = value_and_grads(relu2_mlp, x, w1, w2, dout)
@@ -68,6 +70,16 @@ def test_compiles_without_graph_break():
     assert backend.frame_count == 1
 
 
+@pytest.mark.parametrize("T, C", [(37, 24), (5, 1300), (16, 512)])
+def test_rstd_kernel_matches_float64(T, C):
+    """The Triton 1/rms kernel (interpreter on CPU): rows that are not a whole number of programs, and widths
+    below, above and at its column block."""
+    x = torch.randn(T, C, dtype=torch.float16) * 3
+    want = torch.rsqrt(x.double().square().mean(dim=-1) + RMS_EPS)
+    got = rstd_kernel(x)
+    assert got.dtype == torch.float32 and rel_err(got, want) < 1e-6
+
+
 def test_rejects_mismatched_shapes():
     x, w1, w2 = inputs(8, 16, 64, torch.float32)
     with pytest.raises(ValueError, match=r"expected \[T, C\], \[H, C\], \[C, H\]"):
@@ -81,21 +93,23 @@ def test_rejects_mismatched_shapes():
     "shape", [(65536, 768, 3072), (4096, 1280, 5120), (1000, 128, 200), (1, 768, 3072), (7, 64, 256)]
 )
 def test_gluon_products_match_float64(shape, dtype):
-    """The two fused products alone, against float64 from the same 16-bit inputs: a d12 buffer, a d20
-    width, sizes that are not multiples of the tile (the TMA copies clip the edges), one token (sampling)
-    and a single step of K."""
+    """The two fused products alone, with and without their rows scaled, against float64 from the same
+    16-bit inputs: a d12 buffer, a d20 width, sizes that are not multiples of the tile (the TMA copies clip
+    the edges), one token (sampling) and a single step of K."""
     from kernels.gemm_hopper import relu2_grad_matmul, relu2_matmul
 
     T, C, H = shape
     x, w1, w2 = inputs(T, C, H, dtype, "cuda")
     g = torch.randn(T, C, device="cuda", dtype=dtype)
-    a = relu2_matmul(x, w1)
-    ref_a = F.relu(x.double() @ w1.double().t()).square()
-    assert a.dtype == dtype and rel_err(a, ref_a) < 4e-3  # the rounding of a to 16 bits
-    dh = relu2_grad_matmul(g, w2.t().contiguous(), a)
-    ref_dh = (g.double() @ w2.double()) * 2 * a.double().sqrt()
-    assert rel_err(dh, ref_dh) < 4e-3
-    assert (dh[a == 0] == 0).all()  # where relu(h) = 0, so is the gradient
+    for rstd in (None, torch.rand(T, device="cuda") + 0.5):
+        scale = 1.0 if rstd is None else rstd.double()[:, None]
+        a = relu2_matmul(x, w1, rstd)
+        ref_a = F.relu((x.double() @ w1.double().t()) * scale).square()
+        assert a.dtype == dtype and rel_err(a, ref_a) < 4e-3  # the rounding of a to 16 bits
+        dh = relu2_grad_matmul(g, w2.t().contiguous(), a, rstd)
+        ref_dh = (g.double() @ w2.double()) * 2 * a.double().sqrt() * scale
+        assert rel_err(dh, ref_dh) < 4e-3
+        assert (dh[a == 0] == 0).all()  # where relu(h) = 0, so is the gradient
 
 
 @pytest.mark.gpu

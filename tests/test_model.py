@@ -214,7 +214,7 @@ def test_compiled_model_has_no_graph_break_and_no_recompile(autocast):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("fusion", ["fused_mlp", "fused_rope_norm"])
+@pytest.mark.parametrize("fusion", ["fused_mlp", "fused_rope_norm", "fused_residual"])
 def test_compiled_model_with_fused_products_matches_the_unfused_one(fusion):
     """A compiled d4 GPT under bf16 autocast on a packed 16,384-token buffer: each of the fused products
     (kernels/gemm_hopper.py) gives the unfused model's loss and gradients, with one graph."""
@@ -229,7 +229,8 @@ def test_compiled_model_with_fused_products_matches_the_unfused_one(fusion):
     results = []
     for fused in (False, True):
         torch.manual_seed(0)
-        cfg = ModelConfig(depth=4, **{"fused_mlp": False, "fused_rope_norm": False, fusion: fused})
+        unfused = {"fused_mlp": False, "fused_rope_norm": False, "fused_residual": False}
+        cfg = ModelConfig(depth=4, **{**unfused, fusion: fused})
         model = GPT(cfg, V, "triton", max_seqlen=8192).cuda()
         with torch.no_grad():  # zero-initialised output projections would leave the blocks' inputs ungraded
             for block in model.blocks:

@@ -1,0 +1,56 @@
+"""`residual_linear`: a block's output projection added to the residual stream, out = r + y W^T, as a
+PyTorch custom operator with autograd.
+
+Compiled from PyTorch, r + y W^T becomes cuBLAS's addmm, which first copies r into its output (a read and a
+write of the whole stream) and reads it back in its epilogue. On Hopper this operator runs
+kernels/gemm_hopper.py's product, whose epilogue reads r's tile and adds it: the copy is gone. Elsewhere it
+runs torch.addmm. The backward is PyTorch's: dr = g, dy = g W, dW = g^T y.
+The operator has a fake implementation, so torch.compile traces through it without a graph break.
+"""
+
+import torch
+
+
+def _fused(*tensors: torch.Tensor) -> bool:
+    if not tensors[0].is_cuda:
+        return False
+    from kernels import gemm_hopper
+
+    return gemm_hopper.supported(*tensors)
+
+
+@torch.library.custom_op("varlen_gpt::residual_linear", mutates_args=())
+def residual_linear_op(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if _fused(r, y, w):
+        from kernels.gemm_hopper import residual_matmul
+
+        return residual_matmul(r, y, w)
+    return torch.addmm(r, y, w.t())
+
+
+@residual_linear_op.register_fake
+def _(r, y, w):
+    return r.new_empty(r.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, y, w = inputs
+    ctx.save_for_backward(y, w)
+
+
+def _backward(ctx, g):
+    y, w = ctx.saved_tensors
+    return g, g @ w, g.t() @ y
+
+
+residual_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def residual_linear(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """r + y w^T for r [T, N], y [T, K] and w [N, K] (an nn.Linear weight), in r's dtype: y and w are cast
+    to it, as autocast would cast them for the product."""
+    if r.dim() != 2 or y.dim() != 2 or w.shape != (r.shape[1], y.shape[1]) or y.shape[0] != r.shape[0]:
+        raise ValueError(
+            f"r {tuple(r.shape)}, y {tuple(y.shape)}, w {tuple(w.shape)}: expected [T, N], [T, K], [N, K]"
+        )
+    return residual_linear_op(r.contiguous(), y.to(r.dtype).contiguous(), w.to(r.dtype))
