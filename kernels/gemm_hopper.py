@@ -25,8 +25,7 @@ it back in its epilogue; this epilogue reads r once.
 
 C = epilogue(A B^T) for A [M, K] and B [N, K], both row-major: B is W1 (an nn.Linear weight) in the MLP's
 forward, a transposed copy of W2 in its backward, Wq then Wk for queries and keys, the projection's weight
-for the residual. Each program loops over
-output tiles of BM x BN (tile t + i * programs). Three partitions:
+for the residual. Each program loops over output tiles of BM x BN (tile t + i * programs). Three partitions:
 - a load warp streams the tiles' A and B blocks of BK columns by TMA into a ring of STAGES slots, running
   on into the next tile while the warpgroups finish the last one;
 - two warpgroups own 64 of a tile's rows each: they accumulate over K with asynchronous products, keeping
