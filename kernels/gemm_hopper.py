@@ -47,6 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.fused import RMS_EPS
+
 # Triton 3.6 (the GPU machines) names the TMA copies async_copy_*; later releases async_load / async_store.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -60,8 +62,8 @@ WARPS = 4
 MAX_REGISTERS = 168
 # The epilogues.
 RELU2, RELU2_GRAD, ROPE_NORM, RESIDUAL = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
-# RMSNorm's epsilon: float32's machine epsilon, as model/gpt.py's rms_norm.
-NORM_EPS = gl.constexpr(torch.finfo(torch.float32).eps)
+# RMSNorm's epsilon (kernels/fused.py), a constexpr for the jit code.
+NORM_EPS = gl.constexpr(RMS_EPS)
 
 
 @gluon.jit

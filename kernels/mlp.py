@@ -21,27 +21,14 @@ import torch  # noqa: I001 (kernels.flash_attn must come before triton)
 
 # Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
 from kernels.flash_attn import check_interpreter
+from kernels.fused import RMS_EPS, on_hopper_product, wide
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-# RMSNorm's epsilon, as model/gpt.py's rms_norm.
-RMS_EPS = torch.finfo(torch.float32).eps
 # The 1/rms kernel's rows per program and columns per step (H200: 50 us at d20's 65,536 x 1,280, against
 # 65 us for 16 rows of 512 columns; a copy of that size takes about 40).
 RSTD_ROWS, RSTD_COLS = 4, 256
-
-
-def _fused(*tensors: torch.Tensor) -> bool:
-    if not tensors[0].is_cuda:
-        return False
-    from kernels import gemm_hopper
-
-    return gemm_hopper.supported(*tensors)
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +67,7 @@ def row_rstd(x: torch.Tensor) -> torch.Tensor:
     """1/rms of each row of x [T, C], float32 (float64 for a float64 x, in PyTorch)."""
     if x.is_cuda and x.dtype != torch.float64:
         return rstd_kernel(x)
-    return torch.rsqrt(x.to(_wide(x.dtype)).square().mean(dim=-1) + RMS_EPS)
+    return torch.rsqrt(x.to(wide(x.dtype)).square().mean(dim=-1) + RMS_EPS)
 
 
 def reference_forward(x: torch.Tensor, w1: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -100,7 +87,7 @@ def relu2_mlp_fwd(
     x: torch.Tensor, w1: torch.Tensor, w2_t: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rstd = row_rstd(x)
-    if _fused(x, w1):
+    if on_hopper_product(x, w1):
         from kernels.gemm_hopper import relu2_matmul
 
         a = relu2_matmul(x, w1, rstd)
@@ -111,7 +98,7 @@ def relu2_mlp_fwd(
 
 @relu2_mlp_fwd.register_fake
 def _(x, w1, w2_t):
-    rstd = x.new_empty(x.shape[0], dtype=_wide(x.dtype))
+    rstd = x.new_empty(x.shape[0], dtype=wide(x.dtype))
     return x.new_empty(x.shape[0], w2_t.shape[1]), x.new_empty(x.shape[0], w1.shape[0]), rstd
 
 
@@ -126,7 +113,7 @@ def relu2_mlp_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(u, dW1, dW2), u = rstd * the normalised input's gradient (see the module docstring)."""
     g = g.contiguous()
-    if _fused(g, w2_t, a):
+    if on_hopper_product(g, w2_t, a):
         from kernels.gemm_hopper import relu2_grad_matmul
 
         dh = relu2_grad_matmul(g, w2_t, a, rstd)

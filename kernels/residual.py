@@ -10,18 +10,12 @@ The operator has a fake implementation, so torch.compile traces through it witho
 
 import torch
 
-
-def _fused(*tensors: torch.Tensor) -> bool:
-    if not tensors[0].is_cuda:
-        return False
-    from kernels import gemm_hopper
-
-    return gemm_hopper.supported(*tensors)
+from kernels.fused import on_hopper_product
 
 
 @torch.library.custom_op("varlen_gpt::residual_linear", mutates_args=())
 def residual_linear_op(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if _fused(r, y, w):
+    if on_hopper_product(r, y, w):
         from kernels.gemm_hopper import residual_matmul
 
         return residual_matmul(r, y, w)

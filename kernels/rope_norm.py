@@ -20,14 +20,13 @@ import torch  # noqa: I001 (kernels.flash_attn must come before triton)
 
 # Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
 from kernels.flash_attn import check_interpreter
+from kernels.fused import RMS_EPS, on_hopper_product, wide
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 # Backward block choice: rows per program (all their heads, one after another).
 BWD_ROWS, BWD_WARPS = 32, 4
-# RMSNorm's epsilon, as model/gpt.py's rms_norm (and kernels/gemm_hopper.py's epilogue).
-RMS_EPS = torch.finfo(torch.float32).eps
 
 
 def supported_head_dim(head_dim: int) -> bool:
@@ -35,14 +34,6 @@ def supported_head_dim(head_dim: int) -> bool:
     from kernels import gemm_hopper
 
     return gemm_hopper.BN % head_dim == 0
-
-
-def _fused(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, head_dim: int) -> bool:
-    if not x.is_cuda:
-        return False
-    from kernels import gemm_hopper
-
-    return gemm_hopper.supported(x, wq, wk) and supported_head_dim(head_dim)
 
 
 def _heads(y: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -55,16 +46,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 def reference_forward(x, wq, wk, cos, sin):
     """(q, k, rstd) as the fused product computes them, in PyTorch (float32 at least inside)."""
     head_dim = 2 * cos.shape[1]
     outs, rstds = [], []
     for w in (wq, wk):
-        u = _rotate(_heads(x @ w.t(), head_dim).to(_wide(x.dtype)), cos[:, None], sin[:, None])
+        u = _rotate(_heads(x @ w.t(), head_dim).to(wide(x.dtype)), cos[:, None], sin[:, None])
         rstd = torch.rsqrt(u.square().mean(dim=-1) + RMS_EPS)
         outs.append((u * rstd[..., None]).to(x.dtype).flatten(1))
         rstds.append(rstd)
@@ -76,7 +63,7 @@ def reference_grad(dq, dk, q, k, rstd, cos, sin):
     head_dim = 2 * cos.shape[1]
     dh = []
     for dy, y in ((dq, q), (dk, k)):
-        dy, y = _heads(dy, head_dim).to(_wide(y.dtype)), _heads(y, head_dim).to(_wide(y.dtype))
+        dy, y = _heads(dy, head_dim).to(wide(y.dtype)), _heads(y, head_dim).to(wide(y.dtype))
         r = rstd[:, : y.shape[1]] if not dh else rstd[:, -y.shape[1] :]
         du = r[..., None] * (dy - y * (dy * y).mean(dim=-1, keepdim=True))
         dh.append(_rotate(du, cos[:, None], -sin[:, None]).to(q.dtype).flatten(1))
@@ -134,7 +121,7 @@ def rope_norm_grad(dq, dk, q, k, rstd, cos, sin) -> torch.Tensor:
 def qk_rope_norm_fwd(
     x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _fused(x, wq, wk, 2 * cos.shape[1]):
+    if on_hopper_product(x, wq, wk) and supported_head_dim(2 * cos.shape[1]):
         from kernels.gemm_hopper import rope_norm_matmul
 
         return rope_norm_matmul(x, wq, wk, cos, sin, 2 * cos.shape[1])
@@ -144,7 +131,7 @@ def qk_rope_norm_fwd(
 @qk_rope_norm_fwd.register_fake
 def _(x, wq, wk, cos, sin):
     heads = (wq.shape[0] + wk.shape[0]) // (2 * cos.shape[1])
-    rstd = x.new_empty(x.shape[0], heads, dtype=_wide(x.dtype))
+    rstd = x.new_empty(x.shape[0], heads, dtype=wide(x.dtype))
     return x.new_empty(x.shape[0], wq.shape[0]), x.new_empty(x.shape[0], wk.shape[0]), rstd
 
 
@@ -201,6 +188,6 @@ def qk_rope_norm(x, wq, wk, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         )
     if wq.shape[0] % (2 * cos.shape[1]) or wk.shape[0] % (2 * cos.shape[1]):
         raise ValueError(f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}: not whole heads of {2 * cos.shape[1]}")
-    angles = (t.to(_wide(x.dtype)).contiguous() for t in (cos, sin))
+    angles = (t.to(wide(x.dtype)).contiguous() for t in (cos, sin))
     q, k, _ = qk_rope_norm_fwd(x.contiguous(), wq.to(x.dtype), wk.to(x.dtype), *angles)
     return q, k

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configs.schema import ConfigError
+from kernels.fused import RMS_EPS
 from model.attention import Attention
 
 
@@ -46,9 +47,6 @@ class GPTShape:
         # A multiple of 64 keeps the head's matmul on fast tensor-core shapes.
         padded = math.ceil(vocab_size / 64) * 64
         return cls(cfg.depth, n_embd, n_head, n_kv_head, cfg.head_dim, vocab_size, padded)
-
-
-RMS_EPS = torch.finfo(torch.float32).eps
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:

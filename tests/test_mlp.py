@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.mlp import RMS_EPS, relu2_mlp, rstd_kernel
+from kernels.fused import RMS_EPS
+from kernels.mlp import relu2_mlp, rstd_kernel
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 

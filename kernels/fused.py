@@ -1,0 +1,23 @@
+"""What the operators around kernels/gemm_hopper.py's products share. Plain PyTorch: the operators import
+it on the CPU too, where they run their PyTorch formulas and Gluon need not be there."""
+
+import torch
+
+# RMSNorm's epsilon wherever the model normalises (model/gpt.py's rms_norm, the products' epilogues, the
+# operators' formulas): float32's machine epsilon, whatever the dtype.
+RMS_EPS = torch.finfo(torch.float32).eps
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the norms' and rotations' math: float32, or dtype where that is wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def on_hopper_product(*tensors: torch.Tensor) -> bool:
+    """Whether kernels/gemm_hopper.py's product takes these tensors (`gemm_hopper.supported`), importing
+    it only for CUDA tensors."""
+    if not tensors[0].is_cuda:
+        return False
+    from kernels import gemm_hopper
+
+    return gemm_hopper.supported(*tensors)
