@@ -11,7 +11,8 @@ length into classes with their own block sizes (block_config), one launch each. 
 stream its inner loop's tiles by TMA through ragged descriptors (triton.tools.ragged_tma): the hardware
 bounds each load to the tile's document and fills the rest with zeros, so no thread computes addresses or
 masks for those loads. On Hopper, a class whose blocks say `gluon` runs the warp-specialised kernels of
-flash_attn_hopper (forward and dQ pass at head dim 128, causal over the whole past) on the same tile table.
+flash_attn_hopper (forward, dQ and dK/dV pass at head dim 128, causal over the whole past) on the same tile
+table; its forward is persistent, one program per SM taking the table's tiles in turn.
 
 Query i of a document sees key j of the same document when i - left <= j <= i + right (window_size as in
 flash-attn; causal means right = 0; an unbounded side is passed as T). The kernels work in base 2:

@@ -1,14 +1,19 @@
-"""Warp-specialised passes for long documents on Hopper, in Gluon (triton.experimental.gluon): the forward,
-the dQ pass and the dK/dV pass.
+"""Warp-specialised passes on Hopper, in Gluon (triton.experimental.gluon): the forward of every document, and
+the dQ and dK/dV passes of long documents.
 
-Each program takes one tile of flash_attn's tile tables and runs three partitions:
+Three partitions per program:
 - a load warp streams tiles by TMA into a ring of STAGES slots, each with its own mbarriers: K and V for
-  the forward and dQ pass (one program per 128-query tile and head), Q and dO for the dK/dV pass (one
-  program per 128-key tile and kv head);
+  the forward and dQ pass (query tiles of 128 rows, one head), Q and dO for the dK/dV pass (key tiles of
+  128 rows, one kv head);
 - two warpgroups own 64 of the tile's rows each. They wait only on their slot's mbarriers, never on a
   CTA-wide barrier (triton's own pipeliner puts one around every TMA issue). In the forward and dQ pass
   each issues the next key block's products before the current block's exponentials, so those run under
   a product (FlashAttention-3's overlap within a warpgroup).
+The dQ and dK/dV passes run one program per entry of flash_attn's tile table and head. The forward is
+persistent: one program per SM, whose load warp claims (query tile, head) items from a counter in table
+order and hands each to the warpgroups through shared memory. The next item's Q and first K/V blocks then
+load while the warpgroups finish the last one, no program pays a launch per tile or per unused entry, and
+claiming items in turn balances the SMs as the hardware's own scheduling of one program per tile did.
 Head dim 128, causal over the whole past only: the blocks up to the diagonal, the last ones masked.
 """
 
@@ -88,25 +93,104 @@ def _load_halves(desc, smem, bar, start, length, head, r0, FIRST: gl.constexpr):
 
 
 @gluon.jit
+def _claim(Counter, tiles, n_tiles, H):
+    """The next work item (query tile i of the table, head h as i H + h) from the launch's counter, or -1
+    once none is left: the table's unused entries come after its tiles."""
+    w = gl.atomic_add(Counter, 1)
+    tile = gl.minimum(w // H, n_tiles - 1)
+    live = (w < n_tiles * H) & (gl.load(tiles + tile) >= 0)
+    return gl.where(live, w, -1)
+
+
+@gluon.jit
+def _hand_over(items, item_ready, item_free, i, w):
+    """Load warp: item w into slot i % 2 of the two-slot item ring that the warpgroups read."""
+    slot = i % 2
+    mbarrier.wait(item_free.index(slot), ((i // 2) & 1) ^ 1)
+    items.index(slot).store(gl.full([1], w, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    mbarrier.arrive(item_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take_over(items, item_ready, item_free, i):
+    """Warpgroup: the i-th item the load warp handed over."""
+    slot = i % 2
+    mbarrier.wait(item_ready.index(slot), (i // 2) & 1)
+    w = gl.max(items.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+    mbarrier.arrive(item_free.index(slot), count=1)
+    return w
+
+
+@gluon.jit
 def _load_partition(args):
-    """One warp: Q once, then K and V of each key block."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, Lse,
-     start, length, head, kv_head, r0, n_blocks, T, stride_ot, qk_scale) = args
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    _load_halves(q_desc, q_smem, q_bar, start, length, head, r0, 0)
-    _stream_pairs(
-        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, 0, n_blocks, 0
-    )
+    """One warp: claims the items; for each, hands it to the warpgroups, loads its Q once the warpgroups
+    are done with the last one, then K and V of each key block."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
+     item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
+     qk_scale) = args
+    HALF: gl.constexpr = q_desc.block_type.shape[2]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    j = 0  # K/V pairs through the ring
+    n_q = 0  # Q tiles loaded
+    i = 0  # items handed over
+    w = _claim(Counter, tiles, n_tiles, H)
+    while w >= 0:
+        _hand_over(items, item_ready, item_free, i, w)
+        segment, start, length, r0, n_blocks = _tile(
+            w // H, tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, BN
+        )
+        head = w % H
+        if n_blocks > 0:
+            mbarrier.wait(q_free, (n_q & 1) ^ 1)
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            _load_halves(q_desc, q_smem, q_bar, start, length, head, r0, 0)
+            j = _stream_pairs(
+                k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, head // group, 0,
+                n_blocks, j,
+            )
+            n_q += 1
+        i += 1
+        w = _claim(Counter, tiles, n_tiles, H)
+    _hand_over(items, item_ready, item_free, i, -1)
 
 
 @gluon.jit
 def _softmax_partition(args, HALF_INDEX: gl.constexpr):
-    """One warpgroup: online softmax of its 64 query rows over the key blocks, then out and lse."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, Lse,
-     start, length, head, kv_head, r0, n_blocks, T, stride_ot, qk_scale) = args
+    """One warpgroup: 64 query rows of each item the load warp hands over."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
+     item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
+     qk_scale) = args
     HALF: gl.constexpr = q_desc.block_type.shape[2]
     BN: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
+    j = 0
+    n_q = 0
+    i = 0
+    w = _take_over(items, item_ready, item_free, i)
+    while w >= 0:
+        segment, start, length, r0, n_blocks = _tile(
+            w // H, tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, BN
+        )
+        head = w % H
+        if n_blocks == 0:
+            _store_empty(Out, Lse, start, head, stride_ot, T, r0 + HALF_INDEX * HALF, length, HALF, D)
+        else:
+            _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length,
+                    head, r0, n_blocks, T, stride_ot, qk_scale, j, n_q, HALF_INDEX)
+            j += n_blocks
+            n_q += 1
+        i += 1
+        w = _take_over(items, item_ready, item_free, i)
+
+
+@gluon.jit
+def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length, head,
+            r0, n_blocks, T, stride_ot, qk_scale, j0, n_q, HALF_INDEX: gl.constexpr):
+    """Online softmax of the warpgroup's 64 rows of the query tile from row r0 over its n_blocks key blocks,
+    which are ring entries j0.., then out and lse."""
+    HALF: gl.constexpr = q_smem.type.shape[3]  # the ring's slots hold [1, 1, rows, 1, D] TMA blocks
+    BN: gl.constexpr = k_smem.type.shape[3]
+    D: gl.constexpr = k_smem.type.shape[5]
     NS: gl.constexpr = k_smem.type.shape[0]
     mma: gl.constexpr = _mma_layout(BN)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -116,12 +200,12 @@ def _softmax_partition(args, HALF_INDEX: gl.constexpr):
     rows = r0 + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_layout)
     q = q_smem.index(HALF_INDEX).reshape([HALF, D])
     zeros = gl.zeros([HALF, BN], gl.float32, mma)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, n_q & 1)
 
     # Block 0 alone; then each step issues S = Q K^T of block j and P V of block j - 1 together, and
     # computes block j's softmax while P V runs (FlashAttention-3's overlap within a warpgroup).
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q, _kt(k_smem, 0, BN, D), zeros, use_acc=False, is_async=True)
+    mbarrier.wait(k_ready.index(j0 % NS), (j0 // NS) & 1)
+    s = warpgroup_mma(q, _kt(k_smem, j0 % NS, BN, D), zeros, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     s = _mask_diagonal(s, rows, 0, n_blocks, BN, col_layout)
     m_i = gl.max(s, 1) * qk_scale
@@ -131,11 +215,11 @@ def _softmax_partition(args, HALF_INDEX: gl.constexpr):
     # The loop carries acc as an accumulator that a product may still be writing.
     acc = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma))
     for j in range(1, n_blocks):
-        slot = j % NS
-        prev = (j - 1) % NS
-        mbarrier.wait(k_ready.index(slot), (j // NS) & 1)
+        slot = (j0 + j) % NS
+        prev = (j0 + j - 1) % NS
+        mbarrier.wait(k_ready.index(slot), ((j0 + j) // NS) & 1)
         s = warpgroup_mma(q, _kt(k_smem, slot, BN, D), zeros, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // NS) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j0 + j - 1) // NS) & 1)
         acc = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         s = _mask_diagonal(s, rows, j, n_blocks, BN, col_layout)
@@ -148,8 +232,10 @@ def _softmax_partition(args, HALF_INDEX: gl.constexpr):
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_free.index(prev), count=1)
         acc = warpgroup_mma_init(acc * alpha[:, None])
-    last = (n_blocks - 1) % NS
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NS) & 1)
+    # Every product that reads Q is done: the load warp may bring the next item's.
+    mbarrier.arrive(q_free, count=1)
+    last = (j0 + n_blocks - 1) % NS
+    mbarrier.wait(v_ready.index(last), ((j0 + n_blocks - 1) // NS) & 1)
     acc = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(kv_free.index(last), count=1)
@@ -177,11 +263,10 @@ def _second_softmax_partition(args):
 
 
 @gluon.jit
-def _tile(tiles, n_tiles, cu_seqlens, n_docs, T, BM: gl.constexpr, BN: gl.constexpr):
-    """(segment, first token, length, first row, blocks of BN rows up to the tile's last row) of this
-    program's tile of BM rows: for a query tile, the key blocks it visits. The segment is -1 for the
+def _tile(tile, tiles, n_tiles, cu_seqlens, n_docs, T, BM: gl.constexpr, BN: gl.constexpr):
+    """(segment, first token, length, first row, blocks of BN rows up to the tile's last row) of entry `tile`
+    of a table of BM-row tiles: for a query tile, the key blocks it visits. The segment is -1 for the
     table's unused entries, and the tail past the last document visits no blocks."""
-    tile = gl.program_id(0)
     segment = gl.load(tiles + tile)
     block = gl.load(tiles + n_tiles + tile)
     start = gl.load(cu_seqlens + gl.maximum(segment, 0))
@@ -211,27 +296,25 @@ def _ring(a_desc, b_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_long_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, group, qk_scale,
-    STAGES: gl.constexpr,
+def _fwd_persistent_kernel(
+    q_desc, k_desc, v_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group, qk_scale,
+    Counter, STAGES: gl.constexpr,
 ):
-    HALF: gl.constexpr = q_desc.block_type.shape[2]
-    D: gl.constexpr = k_desc.block_type.shape[4]
-    segment, start, q_len, r0, n_blocks = _tile(
-        tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, k_desc.block_type.shape[2]
-    )
-    if segment < 0:
-        return
-    head = gl.program_id(1)
-    if n_blocks == 0:
-        _store_empty(Out, Lse, start, head, stride_ot, T, r0, q_len, 2 * HALF, D)
-        return
-
+    """Persistent: each program runs items (query tile, head) claimed from Counter until none is left."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = _ring(k_desc, v_desc, STAGES)
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_free, count=2)
+    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(item_ready.index(i), count=1)
+        mbarrier.init(item_free.index(i), count=2)
 
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, Lse,
-            start, q_len, head, head // group, r0, n_blocks, T, stride_ot, qk_scale)
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
+            item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H,
+            group, qk_scale)
     gl.warp_specialize([
         (_softmax_partition, (args, 0)),
         (_second_softmax_partition, (args, )),
@@ -387,7 +470,7 @@ def _dq_long_kernel(
     HALF: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
     segment, start, length, r0, n_blocks = _tile(
-        tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, k_desc.block_type.shape[2]
+        gl.program_id(0), tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, k_desc.block_type.shape[2]
     )
     if segment < 0:
         return
@@ -530,7 +613,9 @@ def _dkdv_kernel(
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
-    segment, start, length, c0, n_blocks = _tile(tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, BM)
+    segment, start, length, c0, n_blocks = _tile(
+        gl.program_id(0), tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, BM
+    )
     if segment < 0:
         return
     kv_head = gl.program_id(1)
@@ -582,10 +667,13 @@ def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks) 
     if (blocks.m, blocks.n, blocks.warps) != (128, HEAD_DIM, 8):
         raise ValueError(f"the Gluon forward runs 128-key blocks and two 64-row warpgroups, not {blocks}")
     n_tiles = tiles.shape[1]
-    _fwd_long_kernel[(n_tiles, H)](
+    # One program per SM (224 KB of shared memory each), and a fresh counter of claimed items per launch.
+    programs = min(n_tiles * H, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    _fwd_persistent_kernel[(programs,)](
         _descriptor(q, blocks.m // 2), _descriptor(k, blocks.n), _descriptor(v, blocks.n), out, lse, tiles,
-        n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H // k.shape[1],
-        softmax_scale * LOG2E.value, STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+        n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H, H // k.shape[1],
+        softmax_scale * LOG2E.value, counter, STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )
 
 

@@ -44,7 +44,7 @@ from kernels import flash_attn_hopper as fh  # noqa: E402
 from kernels import gemm_hopper as gh  # noqa: E402
 
 # The classes with blocks.gluon run these warp-specialised Gluon kernels on Hopper instead.
-GLUON_KERNELS = {"fwd": fh._fwd_long_kernel, "dq": fh._dq_long_kernel, "dkdv": fh._dkdv_kernel}
+GLUON_KERNELS = {"fwd": fh._fwd_persistent_kernel, "dq": fh._dq_long_kernel, "dkdv": fh._dkdv_kernel}
 KERNELS = {
     "fwd": fa._fwd_kernel,
     "dq": fa._bwd_dq_kernel,
@@ -60,7 +60,7 @@ GEMM_KERNELS = {
 # The products of Hopper alone, each by its inspector: gemm_hopper's epilogues and wgrad_hopper's.
 HOPPER_PRODUCTS = [*GEMM_KERNELS, "wgrad"]
 FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd", "Part"}
-INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots"}
+INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots", "Counter"}
 BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 # Integer arguments that a launch on aligned tensors sees as multiples of 16 (and specialises on).
 ALIGNED_INTS = {"T", "left", "right"}
