@@ -5,15 +5,16 @@ For each row z of raw logits (one token) and its target t, with capped logits c 
     loss = logsumexp(c) - c[t]          (0 where t < 0: no target)
     grad = scale * (softmax(c) - onehot(t)) * (1 - (c / cap)^2)     (d(scale * loss) / dz; 0 where t < 0)
 
-One program per row loops over the row twice: the log-sum-exp and the target's logit, then the gradient
-(the second read follows the first within the program, so part of it can come from L2; without a cap, or
-with one above 50, a first pass finds the row's max). On NVIDIA GPUs tanh is PTX's tanh.approx.f32, one
-special-function instruction: with exp2 that makes two per logit and pass, where an accurate tanh made
-the kernel bound by those units (the compiled PyTorch formulation of model/gpt.py, the CPU path, takes
-0.68 ms per 8,192 x 32,768 bf16 chunk on an H200, this kernel 0.43 ms). PTX bounds tanh.approx's relative
-error by 2^-10.99; on a bf16 chunk the losses moved by 3e-7 (relative) and the gradient by at most 1.5e-8
-(of values up to 1.2e-4) against the accurate formulation. The interpreter cannot run PTX, so there (and
-on ROCm) tanh comes from exp2 and a division.
+One program per row loops over the row twice: the log-sum-exp, then the gradient (the second read follows
+the first within the program, so part of it can come from L2; without a cap, or with one above 50, a
+first pass finds the row's max). The target's logit is loaded on its own. On NVIDIA GPUs tanh is PTX's
+tanh.approx.f32, one special-function instruction: with exp2 that makes two per logit and pass, which
+bound the kernel, where an accurate tanh made it slower still (the compiled PyTorch formulation of
+model/gpt.py, the CPU path, takes 0.68 ms per 8,192 x 32,768 bf16 chunk on an H200, this kernel 0.40 ms;
+0.43 ms while every logit also paid for the row's bounds and the target's test). PTX bounds tanh.approx's
+relative error by 2^-10.99; on a bf16 chunk the losses moved by 3e-7 (relative) and the gradient by at
+most 1.5e-8 (of values up to 1.2e-4) against the accurate formulation. The interpreter cannot run PTX, so
+there (and on ROCm) tanh comes from exp2 and a division.
 """
 
 from typing import NamedTuple  # noqa: I001 (kernels.flash_attn must come before triton)
@@ -49,22 +50,27 @@ def _tanh(x, PTX: tl.constexpr):
 
 
 @triton.jit
-def _load_capped(row_ptr, cols, V, cap, CAP: tl.constexpr, PTX: tl.constexpr):
+def _load_capped(row_ptr, cols, V, cap, CAP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
     """(c, t) of the row's logits at cols: the soft-capped logits cap * tanh(z / cap) (-inf past the row's
-    end) and the tanh (the logits and 0 without a cap)."""
-    z = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
+    end) and the tanh (the logits and 0 without a cap). EVEN: every col is inside the row."""
+    if EVEN:
+        z = tl.load(row_ptr + cols).to(tl.float32)
+    else:
+        z = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
     if CAP:
         t = _tanh(z / cap, PTX)
         c = cap * t
     else:
         c, t = z, z * 0.0
-    return tl.where(cols < V, c, float("-inf")), t
+    if not EVEN:
+        c = tl.where(cols < V, c, float("-inf"))
+    return c, t
 
 
 @triton.jit
 def _softcap_ce_kernel(
     logits, grad, targets, losses, scale, stride_l, stride_g, V, cap, CAP: tl.constexpr,
-    ROW_MAX: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr,
+    ROW_MAX: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr, EVEN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     logits += row * stride_l
@@ -78,30 +84,37 @@ def _softcap_ce_kernel(
     if ROW_MAX:
         row_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
         for v0 in range(0, V, BLOCK_V):
-            c, t = _load_capped(logits, v0 + offsets, V, cap, CAP, PTX)
+            c, t = _load_capped(logits, v0 + offsets, V, cap, CAP, PTX, EVEN)
             row_max = tl.maximum(row_max, c)
         shift = tl.max(row_max, 0)
-    # Per-lane partial sums, reduced once after the loop.
+    # Per-lane partial sums, reduced once after the loop. The kernel is bound by issuing instructions, so
+    # the loops do no per-logit work for the target: its logit is loaded on its own (the same formula on
+    # the same value), and the gradient's one-hot is subtracted in the one block that holds it.
     sum_exp = tl.zeros([BLOCK_V], tl.float32)
-    target_logit = tl.zeros([BLOCK_V], tl.float32)
     for v0 in range(0, V, BLOCK_V):
-        cols = v0 + offsets
-        c, t = _load_capped(logits, cols, V, cap, CAP, PTX)
+        c, t = _load_capped(logits, v0 + offsets, V, cap, CAP, PTX, EVEN)
         sum_exp += tl.exp2((c - shift) * LOG2E)
-        target_logit += tl.where(cols == target, c, 0.0)
     lse = shift + tl.log(tl.sum(sum_exp, 0))
     has_target = target >= 0
+    first = tl.arange(0, 1)
+    target_logit, _ = _load_capped(logits + tl.maximum(target, 0), first, 1, cap, CAP, PTX, False)
     tl.store(losses + row, tl.where(has_target, lse - tl.sum(target_logit, 0), 0.0))
 
     # Second read of the row, for the gradient.
     row_scale = tl.where(has_target, tl.load(scale), 0.0)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offsets
-        c, t = _load_capped(logits, cols, V, cap, CAP, PTX)
-        g = tl.exp2((c - lse) * LOG2E) - (cols == target).to(tl.float32)
+        c, t = _load_capped(logits, cols, V, cap, CAP, PTX, EVEN)
+        g = tl.exp2((c - lse) * LOG2E)
+        if (target >= v0) & (target < v0 + BLOCK_V):
+            g -= (cols == target).to(tl.float32)
         if CAP:
             g = g * (1.0 - t * t)
-        tl.store(grad + cols, (g * row_scale).to(grad.dtype.element_ty), mask=cols < V)
+        g = (g * row_scale).to(grad.dtype.element_ty)
+        if EVEN:
+            tl.store(grad + cols, g)
+        else:
+            tl.store(grad + cols, g, mask=cols < V)
 
 
 @torch.library.custom_op("varlen_gpt::softcap_cross_entropy", mutates_args=())
@@ -121,7 +134,8 @@ def softcap_cross_entropy(
     if n:
         _softcap_ce_kernel[(n,)](
             logits, grad, targets, losses, scale, logits.stride(0), grad.stride(0), V, cap, CAP=cap > 0,
-            ROW_MAX=not 0 < cap <= 50, PTX=PTX_TANH, BLOCK_V=blocks.cols, num_warps=blocks.warps,
+            ROW_MAX=not 0 < cap <= 50, PTX=PTX_TANH, BLOCK_V=blocks.cols, EVEN=V % blocks.cols == 0,
+            num_warps=blocks.warps,
         )
     return losses, grad
 

@@ -40,6 +40,7 @@ def rel_err(x, ref):
         (20, 300, 0.0, 30.0),
         (8, 1000, 30.0, 10.0),
         (9, 5000, 100.0, 80.0),
+        (6, 4096, 15.0, 8.0),  # whole blocks of the row: no masks
     ],
 )
 def test_losses_and_gradient_match_float64(dtype, n, V, cap, spread):
