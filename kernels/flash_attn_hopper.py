@@ -188,7 +188,7 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
             r0, n_blocks, T, stride_ot, qk_scale, j0, n_q, HALF_INDEX: gl.constexpr):
     """Online softmax of the warpgroup's 64 rows of the query tile from row r0 over its n_blocks key blocks,
     which are ring entries j0.., then out and lse."""
-    HALF: gl.constexpr = q_smem.type.shape[3]  # the ring's slots hold [1, 1, rows, 1, D] TMA blocks
+    HALF: gl.constexpr = q_smem.type.shape[3]  # Q and the ring hold [1, 1, rows, 1, D] TMA blocks
     BN: gl.constexpr = k_smem.type.shape[3]
     D: gl.constexpr = k_smem.type.shape[5]
     NS: gl.constexpr = k_smem.type.shape[0]
