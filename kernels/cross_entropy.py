@@ -87,9 +87,9 @@ def _softcap_ce_kernel(
             c, t = _load_capped(logits, v0 + offsets, V, cap, CAP, PTX, EVEN)
             row_max = tl.maximum(row_max, c)
         shift = tl.max(row_max, 0)
-    # Per-lane partial sums, reduced once after the loop. The kernel is bound by issuing instructions, so
-    # the loops do no per-logit work for the target: its logit is loaded on its own (the same formula on
-    # the same value), and the gradient's one-hot is subtracted in the one block that holds it.
+    # Per-lane partial sums, reduced once after the loop. Per-logit work is what bounds the kernel, so the
+    # loops do none for the target: its logit is loaded on its own (the same formula on the same value),
+    # and the gradient's one-hot is subtracted in the one block that holds it.
     sum_exp = tl.zeros([BLOCK_V], tl.float32)
     for v0 in range(0, V, BLOCK_V):
         c, t = _load_capped(logits, v0 + offsets, V, cap, CAP, PTX, EVEN)
