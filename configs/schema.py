@@ -36,8 +36,10 @@ class ModelConfig:
     # RMSNorm, ReLU^2 and its derivative in their epilogues (kernels/mlp.py); false (or another device) runs
     # cuBLAS plus compiled elementwise kernels.
     fused_mlp: bool = True
-    # On Hopper, queries and keys come from one product of kernels/gemm_hopper.py with RoPE and QK-norm in
-    # its epilogue (head_dim dividing 256); false (or another device) runs cuBLAS plus compiled kernels.
+    # On Hopper, queries, keys and values are one operator (kernels/rope_norm.py): q and k from one product
+    # of kernels/gemm_hopper.py with RoPE and QK-norm in its epilogue (head_dim dividing 256), and one
+    # product each for the three's input and weight gradients; false (or another device) runs cuBLAS plus
+    # compiled kernels.
     fused_rope_norm: bool = True
     # On Hopper, attention's output projection adds its product to the residual stream in the epilogue of
     # kernels/gemm_hopper.py's product (kernels/residual.py); false (or another device) runs cuBLAS's

@@ -21,3 +21,14 @@ def on_hopper_product(*tensors: torch.Tensor) -> bool:
     from kernels import gemm_hopper
 
     return gemm_hopper.supported(*tensors)
+
+
+def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """g^T x, summed over the tokens: kernels/wgrad_hopper.py's stream-K product where it is `preferred`
+    over cuBLAS, else cuBLAS's."""
+    if g.is_cuda:
+        from kernels import wgrad_hopper
+
+        if wgrad_hopper.preferred(g, x):
+            return wgrad_hopper.weight_grad(g, x)
+    return g.t() @ x

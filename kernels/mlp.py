@@ -21,7 +21,7 @@ import torch  # noqa: I001 (kernels.flash_attn must come before triton)
 
 # Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
 from kernels.flash_attn import check_interpreter
-from kernels.fused import RMS_EPS, on_hopper_product, wide
+from kernels.fused import RMS_EPS, on_hopper_product, weight_grad, wide
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -29,16 +29,6 @@ import triton.language as tl  # noqa: E402
 # The 1/rms kernel's rows per program and columns per step (H200: 50 us at d20's 65,536 x 1,280, against
 # 65 us for 16 rows of 512 columns; a copy of that size takes about 40).
 RSTD_ROWS, RSTD_COLS = 4, 256
-
-
-def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """g^T x, summed over the tokens."""
-    if g.is_cuda:
-        from kernels import wgrad_hopper
-
-        if wgrad_hopper.preferred(g, x):
-            return wgrad_hopper.weight_grad(g, x)
-    return g.t() @ x
 
 
 @triton.jit
@@ -121,7 +111,7 @@ def relu2_mlp_bwd(
         dh = reference_grad(g, w2_t, a, rstd)
     # W2's gradient in W2's layout, seen as W2^T's: the fp32 gradient that autograd adds up over the
     # micro-batches then has W2's layout too, which takes a vectorised add instead of a strided one.
-    return dh @ w1, _weight_grad(dh, x), _weight_grad(g, a).t()
+    return dh @ w1, weight_grad(dh, x), weight_grad(g, a).t()
 
 
 @relu2_mlp_bwd.register_fake

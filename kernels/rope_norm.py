@@ -1,26 +1,31 @@
-"""`qk_rope_norm`: attention's queries and keys, q = rms_norm(rope(x Wq^T)) per head and k likewise, as
-PyTorch custom operators with autograd.
+"""`qkv_rope_norm`: attention's queries, keys and values, q = rms_norm(rope(x Wq^T)) per head, k likewise and
+v = x Wv^T, as PyTorch custom operators with autograd.
 
-On Hopper the forward is one product (kernels/gemm_hopper.py) whose epilogue rotates and normalises each
-head of its output tile before the store: the product's output is never written, only q, k and each head's
-1/rms. Elsewhere the same formulas run in PyTorch (`reference_forward`). The product rounds to x's dtype
-before the rotation, as the unfused model does (its rotation starts from nn.Linear's output); the rotation
-and the norm then run in float32.
+On Hopper the queries and keys come from one product (kernels/gemm_hopper.py) whose epilogue rotates and
+normalises each head of its output tile before the store: that product's output is never written, only q, k
+and each head's 1/rms. The values are cuBLAS's plain product, which beats the Gluon product without an
+epilogue to fuse. Elsewhere the same formulas run in PyTorch (`reference_forward`). The product rounds to
+x's dtype before the rotation, as the unfused model does (its rotation starts from nn.Linear's output); the
+rotation and the norm then run in float32.
 
 Backward, per head with y = q (the output, kept for attention anyway), r its 1/rms and dy its gradient:
 
     du = r (dy - y mean(dy y))          the RMSNorm's backward (u = rope(h), y = r u)
     dh = rope^-1(du)                    the rotation by -angle
 
-One Triton kernel writes dh of the queries' and the keys' heads side by side into one [T, Nq + Nk] tensor
-(on CUDA; `reference_grad` elsewhere), so that the input and weight gradients are one product each.
+One Triton kernel writes dh of the queries' and the keys' heads and the values' gradient side by side into
+one [T, Nq + Nk + Nv] tensor (on CUDA; `reference_grad` elsewhere), so that the input gradient is one product
+over K = Nq + Nk + Nv and the three weight gradients one [Nq + Nk + Nv, C] product. At d20 that product has
+150 tiles of 128 x 256, which kernels/wgrad_hopper.py's stream-K kernel takes (on an H200, 880 us against
+1,070 for cuBLAS's two products), and the input gradient is one cuBLAS product (930 us against 965 for two,
+plus the add of their outputs).
 """
 
 import torch  # noqa: I001 (kernels.flash_attn must come before triton)
 
 # Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
 from kernels.flash_attn import check_interpreter
-from kernels.fused import RMS_EPS, on_hopper_product, wide
+from kernels.fused import RMS_EPS, on_hopper_product, weight_grad, wide
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -58,8 +63,8 @@ def reference_forward(x, wq, wk, cos, sin):
     return outs[0], outs[1], torch.cat(rstds, dim=1)
 
 
-def reference_grad(dq, dk, q, k, rstd, cos, sin):
-    """dh [T, Nq + Nk]: the gradient of the queries' and keys' product outputs, in PyTorch."""
+def reference_grad(dq, dk, dv, q, k, rstd, cos, sin):
+    """dh [T, Nq + Nk + Nv]: the gradient of the queries' and keys' product outputs, then dv, in PyTorch."""
     head_dim = 2 * cos.shape[1]
     dh = []
     for dy, y in ((dq, q), (dk, k)):
@@ -67,13 +72,14 @@ def reference_grad(dq, dk, q, k, rstd, cos, sin):
         r = rstd[:, : y.shape[1]] if not dh else rstd[:, -y.shape[1] :]
         du = r[..., None] * (dy - y * (dy * y).mean(dim=-1, keepdim=True))
         dh.append(_rotate(du, cos[:, None], -sin[:, None]).to(q.dtype).flatten(1))
-    return torch.cat(dh, dim=1)
+    return torch.cat(dh + [dv.to(q.dtype)], dim=1)
 
 
 @triton.jit
-def _head_grad(dY, Y, Rstd, dH, rows, T, c, s, width, heads, first, n_heads, HEAD_DIM: tl.constexpr):
+def _head_grad(dY, Y, Rstd, dH, rows, T, c, s, width, heads, first, n_norms, dh_width,
+               HEAD_DIM: tl.constexpr):
     """Every head of one input (queries or keys: dY, Y [T, width]) for these rows, into dH's columns of heads
-    first.. (see the module docstring)."""
+    first.. (see the module docstring). Rstd has n_norms columns, dH dh_width."""
     HALF: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, HALF)
     inside = rows[:, None] < T
@@ -83,111 +89,143 @@ def _head_grad(dY, Y, Rstd, dH, rows, T, c, s, width, heads, first, n_heads, HEA
         dy2 = tl.load(dY + lo + HALF, mask=inside, other=0.0).to(tl.float32)
         y1 = tl.load(Y + lo, mask=inside, other=0.0).to(tl.float32)
         y2 = tl.load(Y + lo + HALF, mask=inside, other=0.0).to(tl.float32)
-        r = tl.load(Rstd + rows * n_heads + first + head, mask=rows < T, other=0.0)
+        r = tl.load(Rstd + rows * n_norms + first + head, mask=rows < T, other=0.0)
         mean = (tl.sum(dy1 * y1, axis=1) + tl.sum(dy2 * y2, axis=1)) / HEAD_DIM
         du1 = r[:, None] * (dy1 - y1 * mean[:, None])
         du2 = r[:, None] * (dy2 - y2 * mean[:, None])
-        out = dH + rows[:, None] * (n_heads * HEAD_DIM) + (first + head) * HEAD_DIM + cols[None, :]
+        out = dH + rows[:, None] * dh_width + (first + head) * HEAD_DIM + cols[None, :]
         tl.store(out, (du1 * c + du2 * s).to(dH.dtype.element_ty), mask=inside)
         tl.store(out + HALF, (du2 * c - du1 * s).to(dH.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _rope_norm_bwd_kernel(dQ, dK, Q, K, Rstd, Cos, Sin, dH, T, NQ, NK, HEAD_DIM: tl.constexpr,
+def _copy_heads(X, dH, rows, T, width, first_col, dh_width, HEAD_DIM: tl.constexpr):
+    """X [T, width] (whole heads) for these rows into dH's columns first_col.., a head at a time."""
+    cols = tl.arange(0, HEAD_DIM)
+    inside = rows[:, None] < T
+    for c0 in range(0, width, HEAD_DIM):
+        x = tl.load(X + rows[:, None] * width + c0 + cols[None, :], mask=inside)
+        tl.store(dH + rows[:, None] * dh_width + first_col + c0 + cols[None, :], x.to(dH.dtype.element_ty),
+                 mask=inside)
+
+
+@triton.jit
+def _rope_norm_bwd_kernel(dQ, dK, dV, Q, K, Rstd, Cos, Sin, dH, T, NQ, NK, NV, HEAD_DIM: tl.constexpr,
                           ROWS: tl.constexpr):
-    """dH for ROWS rows, every head of queries then of keys: the rows' angles are loaded once."""
+    """dH for ROWS rows, every head of queries, then of keys, then the values' gradient: the rows' angles are
+    loaded once."""
     HALF: tl.constexpr = HEAD_DIM // 2
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     angles = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
     c = tl.load(Cos + angles, mask=rows[:, None] < T, other=1.0)
     s = tl.load(Sin + angles, mask=rows[:, None] < T, other=0.0)
     HQ, HK = NQ // HEAD_DIM, NK // HEAD_DIM
-    _head_grad(dQ, Q, Rstd, dH, rows, T, c, s, NQ, HQ, 0, HQ + HK, HEAD_DIM)
-    _head_grad(dK, K, Rstd, dH, rows, T, c, s, NK, HK, HQ, HQ + HK, HEAD_DIM)
+    width = NQ + NK + NV
+    _head_grad(dQ, Q, Rstd, dH, rows, T, c, s, NQ, HQ, 0, HQ + HK, width, HEAD_DIM)
+    _head_grad(dK, K, Rstd, dH, rows, T, c, s, NK, HK, HQ, HQ + HK, width, HEAD_DIM)
+    _copy_heads(dV, dH, rows, T, NV, NQ + NK, width, HEAD_DIM)
 
 
-def rope_norm_grad(dq, dk, q, k, rstd, cos, sin) -> torch.Tensor:
-    """dh [T, Nq + Nk] by the Triton kernel (all tensors contiguous, on one device)."""
+def rope_norm_grad(dq, dk, dv, q, k, rstd, cos, sin) -> torch.Tensor:
+    """dh [T, Nq + Nk + Nv] by the Triton kernel (all tensors contiguous, on one device)."""
     check_interpreter()
-    (T, Nq), Nk, head_dim = q.shape, k.shape[1], 2 * cos.shape[1]
-    dh = q.new_empty(T, Nq + Nk)
+    (T, Nq), Nk, Nv, head_dim = q.shape, k.shape[1], dv.shape[1], 2 * cos.shape[1]
+    dh = q.new_empty(T, Nq + Nk + Nv)
     _rope_norm_bwd_kernel[(triton.cdiv(T, BWD_ROWS),)](
-        dq, dk, q, k, rstd, cos, sin, dh, T, Nq, Nk, HEAD_DIM=head_dim, ROWS=BWD_ROWS, num_warps=BWD_WARPS,
+        dq, dk, dv, q, k, rstd, cos, sin, dh, T, Nq, Nk, Nv, HEAD_DIM=head_dim, ROWS=BWD_ROWS,
+        num_warps=BWD_WARPS,
     )
     return dh
 
 
-@torch.library.custom_op("varlen_gpt::qk_rope_norm_fwd", mutates_args=())
-def qk_rope_norm_fwd(
-    x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if on_hopper_product(x, wq, wk) and supported_head_dim(2 * cos.shape[1]):
-        from kernels.gemm_hopper import rope_norm_matmul
-
-        return rope_norm_matmul(x, wq, wk, cos, sin, 2 * cos.shape[1])
-    return reference_forward(x, wq, wk, cos, sin)
-
-
-@qk_rope_norm_fwd.register_fake
-def _(x, wq, wk, cos, sin):
-    heads = (wq.shape[0] + wk.shape[0]) // (2 * cos.shape[1])
-    rstd = x.new_empty(x.shape[0], heads, dtype=wide(x.dtype))
-    return x.new_empty(x.shape[0], wq.shape[0]), x.new_empty(x.shape[0], wk.shape[0]), rstd
-
-
-@torch.library.custom_op("varlen_gpt::qk_rope_norm_bwd", mutates_args=())
-def qk_rope_norm_bwd(
-    dq: torch.Tensor,
-    dk: torch.Tensor,
+@torch.library.custom_op("varlen_gpt::qkv_rope_norm_fwd", mutates_args=())
+def qkv_rope_norm_fwd(
     x: torch.Tensor,
     wq: torch.Tensor,
     wk: torch.Tensor,
+    wv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if on_hopper_product(x, wq, wk) and supported_head_dim(2 * cos.shape[1]):
+        from kernels.gemm_hopper import rope_norm_matmul
+
+        q, k, rstd = rope_norm_matmul(x, wq, wk, cos, sin, 2 * cos.shape[1])
+    else:
+        q, k, rstd = reference_forward(x, wq, wk, cos, sin)
+    return q, k, x @ wv.t(), rstd
+
+
+@qkv_rope_norm_fwd.register_fake
+def _(x, wq, wk, wv, cos, sin):
+    heads = (wq.shape[0] + wk.shape[0]) // (2 * cos.shape[1])
+    rstd = x.new_empty(x.shape[0], heads, dtype=wide(x.dtype))
+    T = x.shape[0]
+    return x.new_empty(T, wq.shape[0]), x.new_empty(T, wk.shape[0]), x.new_empty(T, wv.shape[0]), rstd
+
+
+@torch.library.custom_op("varlen_gpt::qkv_rope_norm_bwd", mutates_args=())
+def qkv_rope_norm_bwd(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx and the gradient of [wq; wk] (one product each)."""
-    dq, dk = dq.contiguous(), dk.contiguous()
+    """dx and the gradient of [wq; wk; wv] (one product each)."""
+    dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
     if x.is_cuda:
-        dh = rope_norm_grad(dq, dk, q, k, rstd, cos, sin)
+        dh = rope_norm_grad(dq, dk, dv, q, k, rstd, cos, sin)
     else:
-        dh = reference_grad(dq, dk, q, k, rstd, cos, sin)
-    return dh @ torch.cat([wq, wk]), dh.t() @ x
+        dh = reference_grad(dq, dk, dv, q, k, rstd, cos, sin)
+    return dh @ torch.cat([wq, wk, wv]), weight_grad(dh, x)
 
 
-@qk_rope_norm_bwd.register_fake
-def _(dq, dk, x, wq, wk, cos, sin, q, k, rstd):
-    return x.new_empty(x.shape), wq.new_empty(wq.shape[0] + wk.shape[0], wq.shape[1])
+@qkv_rope_norm_bwd.register_fake
+def _(dq, dk, dv, x, wq, wk, wv, cos, sin, q, k, rstd):
+    return x.new_empty(x.shape), wq.new_empty(wq.shape[0] + wk.shape[0] + wv.shape[0], wq.shape[1])
 
 
 def _setup_context(ctx, inputs, output):
-    x, wq, wk, cos, sin = inputs
-    ctx.save_for_backward(x, wq, wk, cos, sin, *output)
+    x, wq, wk, wv, cos, sin = inputs
+    q, k, _, rstd = output
+    ctx.save_for_backward(x, wq, wk, wv, cos, sin, q, k, rstd)
 
 
-def _backward(ctx, dq, dk, drstd):
+def _backward(ctx, dq, dk, dv, drstd):
     # rstd is an output only so that the backward can keep it; nothing downstream differentiates it.
-    x, wq, wk, cos, sin, q, k, rstd = ctx.saved_tensors
-    dx, dw = qk_rope_norm_bwd(dq, dk, x, wq, wk, cos, sin, q, k, rstd)
-    return dx, dw[: wq.shape[0]], dw[wq.shape[0] :], None, None
+    x, wq, wk, wv, cos, sin, q, k, rstd = ctx.saved_tensors
+    dx, dw = qkv_rope_norm_bwd(dq, dk, dv, x, wq, wk, wv, cos, sin, q, k, rstd)
+    nq, nk = wq.shape[0], wk.shape[0]
+    return dx, dw[:nq], dw[nq : nq + nk], dw[nq + nk :], None, None
 
 
-qk_rope_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+qkv_rope_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def qk_rope_norm(x, wq, wk, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Nq] and k [T, Nk] for x [T, C], wq [Nq, C], wk [Nk, C] and each token's rotary angles cos, sin
-    [T, head_dim / 2], in x's dtype (the weights are cast to it, as autocast would cast them)."""
+def qkv_rope_norm(x, wq, wk, wv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Nq], k [T, Nk] and v [T, Nv] for x [T, C], wq [Nq, C], wk [Nk, C], wv [Nv, C] and each token's
+    rotary angles cos, sin [T, head_dim / 2], in x's dtype (the weights are cast to it, as autocast would cast
+    them)."""
     T, C = x.shape
-    if wq.shape[1] != C or wk.shape[1] != C or cos.shape != sin.shape or cos.shape[0] != T:
+    if any(w.shape[1] != C for w in (wq, wk, wv)) or cos.shape != sin.shape or cos.shape[0] != T:
         raise ValueError(
-            f"x {tuple(x.shape)}, wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, cos {tuple(cos.shape)}, "
-            f"sin {tuple(sin.shape)}: expected [T, C], [Nq, C], [Nk, C], [T, head_dim / 2] twice"
+            f"x {tuple(x.shape)}, wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, wv {tuple(wv.shape)}, "
+            f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: expected [T, C], [Nq, C], [Nk, C], [Nv, C], "
+            "[T, head_dim / 2] twice"
         )
-    if wq.shape[0] % (2 * cos.shape[1]) or wk.shape[0] % (2 * cos.shape[1]):
-        raise ValueError(f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}: not whole heads of {2 * cos.shape[1]}")
+    head_dim = 2 * cos.shape[1]
+    if any(w.shape[0] % head_dim for w in (wq, wk, wv)):
+        raise ValueError(
+            f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, wv {tuple(wv.shape)}: not whole heads of {head_dim}"
+        )
     angles = (t.to(wide(x.dtype)).contiguous() for t in (cos, sin))
-    q, k, _ = qk_rope_norm_fwd(x.contiguous(), wq.to(x.dtype), wk.to(x.dtype), *angles)
-    return q, k
+    q, k, v, _ = qkv_rope_norm_fwd(x.contiguous(), *(w.to(x.dtype) for w in (wq, wk, wv)), *angles)
+    return q, k, v

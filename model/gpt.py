@@ -88,16 +88,18 @@ class CausalSelfAttention(nn.Module):
         """residual + the attention's output projected, for x = rms_norm(residual)."""
         T, s = x.shape[0], self.shape
         if self.fused_rope_norm and hopper_kernels_run_on(x, s.head_dim):
-            from kernels.rope_norm import qk_rope_norm
+            from kernels.rope_norm import qkv_rope_norm
 
-            q, k = qk_rope_norm(x, self.c_q.weight, self.c_k.weight, rotary[0][:, 0], rotary[1][:, 0])
-            q, k = q.view(T, s.n_head, s.head_dim), k.view(T, s.n_kv_head, s.head_dim)
+            weights = self.c_q.weight, self.c_k.weight, self.c_v.weight
+            q, k, v = qkv_rope_norm(x, *weights, rotary[0][:, 0], rotary[1][:, 0])
+            q = q.view(T, s.n_head, s.head_dim)
+            k, v = k.view(T, s.n_kv_head, s.head_dim), v.view(T, s.n_kv_head, s.head_dim)
         else:
             q = self.c_q(x).view(T, s.n_head, s.head_dim)
             k = self.c_k(x).view(T, s.n_kv_head, s.head_dim)
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
             q, k = rms_norm(q), rms_norm(k)  # QK-norm keeps attention logits bounded
-        v = self.c_v(x).view(T, s.n_kv_head, s.head_dim)
+            v = self.c_v(x).view(T, s.n_kv_head, s.head_dim)
         y = attention.attend(q, k, v, ctx, self.window).reshape(T, -1)
         if self.fused_residual and hopper_kernels_run_on(residual):
             from kernels.residual import residual_linear

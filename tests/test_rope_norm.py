@@ -1,96 +1,106 @@
-"""The q/k operator with RoPE and QK-norm (kernels/rope_norm.py): its autograd against float64 autograd of
+"""The q/k/v operator with RoPE and QK-norm (kernels/rope_norm.py): its autograd against float64 autograd of
 the model's own formula, its backward kernel, compile, and (on Hopper) the Gluon product's epilogue."""
 
 import pytest
 import torch
 
-from kernels.rope_norm import qk_rope_norm, reference_grad, rope_norm_grad
+from kernels.rope_norm import qkv_rope_norm, reference_grad, rope_norm_grad
 from model.gpt import apply_rotary, rms_norm, rotary_tables
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def inputs(T, C, Nq, Nk, head_dim, dtype, device="cpu", seed=0):
-    """x, wq, wk and the rotary angles of T tokens at scattered positions (as packed documents have)."""
+    """x, wq, wk, wv (as many values as keys) and the rotary angles of T tokens at scattered positions (as
+    packed documents have)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(T, C, device=device, generator=gen).to(dtype)
-    wq = (torch.randn(Nq, C, device=device, generator=gen) * C**-0.5).to(dtype)
-    wk = (torch.randn(Nk, C, device=device, generator=gen) * C**-0.5).to(dtype)
+    wq, wk, wv = ((torch.randn(n, C, device=device, generator=gen) * C**-0.5).to(dtype) for n in (Nq, Nk, Nk))
     cos, sin = rotary_tables(2048, head_dim, 10000.0)
     pos = torch.randint(0, 2048, (T,), generator=torch.Generator().manual_seed(seed))
     wide = torch.promote_types(dtype, torch.float32)
-    return x, wq, wk, cos[pos].to(device, wide), sin[pos].to(device, wide)
+    return x, wq, wk, wv, cos[pos].to(device, wide), sin[pos].to(device, wide)
 
 
-def model_formula(x, wq, wk, cos, sin):
-    """The unfused model's queries and keys: rms_norm(apply_rotary(x w^T)) per head."""
+def model_formula(x, wq, wk, wv, cos, sin):
+    """The unfused model's queries and keys, rms_norm(apply_rotary(x w^T)) per head, and values x wv^T."""
     head_dim = 2 * cos.shape[1]
     rot = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
     q, k = (rms_norm(apply_rotary((x @ w.t()).view(x.shape[0], -1, head_dim), *rot)) for w in (wq, wk))
-    return q.flatten(1), k.flatten(1)
+    return q.flatten(1), k.flatten(1), x @ wv.t()
 
 
-def values_and_grads(fn, x, wq, wk, cos, sin, dq, dk):
-    leaves = [t.detach().requires_grad_() for t in (x, wq, wk)]
-    q, k = fn(*leaves, cos, sin)
-    torch.autograd.backward([q, k], [dq, dk])
-    return [q.detach(), k.detach()] + [t.grad for t in leaves]
+def values_and_grads(fn, x, wq, wk, wv, cos, sin, *grads):
+    leaves = [t.detach().requires_grad_() for t in (x, wq, wk, wv)]
+    outs = fn(*leaves, cos, sin)
+    torch.autograd.backward(outs, grads)
+    return [t.detach() for t in outs] + [t.grad for t in leaves]
+
+
+def output_grads(T, Nq, Nk, dtype, device="cpu", seed=2):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(T, n, device=device, generator=gen).to(dtype) for n in (Nq, Nk, Nk)]
 
 
 def rel_err(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-NAMES = ("q", "k", "dx", "dwq", "dwk")
+NAMES = ("q", "k", "v", "dx", "dwq", "dwk", "dwv")
 
 
 def test_operator_matches_autograd_of_the_model_formula():
     """float64 on the CPU, with grouped keys (2 key heads for 6 query heads): values and gradients."""
-    x, wq, wk, cos, sin = inputs(37, 24, 96, 32, 16, torch.float64)
-    dq, dk = torch.randn(37, 96, dtype=torch.float64), torch.randn(37, 32, dtype=torch.float64)
-    got = values_and_grads(qk_rope_norm, x, wq, wk, cos, sin, dq, dk)
-    want = values_and_grads(model_formula, x, wq, wk, cos, sin, dq, dk)
+    x, wq, wk, wv, cos, sin = inputs(37, 24, 96, 32, 16, torch.float64)
+    grads = output_grads(37, 96, 32, torch.float64)
+    got = values_and_grads(qkv_rope_norm, x, wq, wk, wv, cos, sin, *grads)
+    want = values_and_grads(model_formula, x, wq, wk, wv, cos, sin, *grads)
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert rel_err(a, b) < 1e-12, name
 
 
 def test_backward_kernel_matches_the_formula():
     """The Triton backward (the interpreter on CPU) against the formula in float64, over a ragged last block
-    of rows and grouped keys; each head's gradient lands in its own columns of dh."""
+    of rows and grouped keys; each head's gradient lands in its own columns of dh, and dv is copied after
+    them unchanged."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     T, head_dim, Nq, Nk = 100, 32, 128, 32
     gen = torch.Generator(device=device).manual_seed(1)
-    q, k, dq, dk = (torch.randn(T, n, device=device, generator=gen) for n in (Nq, Nk, Nq, Nk))
+    q, k, dq, dk, dv = (torch.randn(T, n, device=device, generator=gen) for n in (Nq, Nk, Nq, Nk, Nk))
     rstd = torch.rand(T, (Nq + Nk) // head_dim, device=device, generator=gen) + 0.5
     angles = torch.rand(T, head_dim // 2, device=device, generator=gen) * 6.3
     cos, sin = angles.cos(), angles.sin()
-    got = rope_norm_grad(dq, dk, q, k, rstd, cos, sin)
-    want = reference_grad(*(t.double() for t in (dq, dk, q, k, rstd, cos, sin)))
-    assert got.shape == (T, Nq + Nk)
-    assert rel_err(got, want) < 1e-6
+    got = rope_norm_grad(dq, dk, dv, q, k, rstd, cos, sin)
+    want = reference_grad(*(t.double() for t in (dq, dk, dv, q, k, rstd, cos, sin)))
+    assert got.shape == (T, Nq + 2 * Nk)
+    assert rel_err(got[:, : Nq + Nk], want[:, : Nq + Nk]) < 1e-6
+    assert torch.equal(got[:, Nq + Nk :], dv)
 
 
 def test_compiles_without_graph_break():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     backend = CompileCounterWithBackend("inductor")
-    fn = torch.compile(qk_rope_norm, backend=backend, fullgraph=True, dynamic=False)
-    x, wq, wk, cos, sin = inputs(64, 32, 64, 32, 16, torch.float32)
-    dq, dk = torch.randn(64, 64), torch.randn(64, 32)
-    got = values_and_grads(fn, x, wq, wk, cos, sin, dq, dk)
-    wide = (t.double() for t in (x, wq, wk, cos, sin, dq, dk))
-    want = values_and_grads(model_formula, *wide)
+    fn = torch.compile(qkv_rope_norm, backend=backend, fullgraph=True, dynamic=False)
+    x, wq, wk, wv, cos, sin = inputs(64, 32, 64, 32, 16, torch.float32)
+    grads = output_grads(64, 64, 32, torch.float32)
+    got = values_and_grads(fn, x, wq, wk, wv, cos, sin, *grads)
+    want = values_and_grads(model_formula, *(t.double() for t in (x, wq, wk, wv, cos, sin, *grads)))
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert rel_err(a, b) < 1e-5, name
     assert backend.frame_count == 1
 
 
-def test_rejects_partial_heads_and_mismatched_angles():
-    x, wq, wk, cos, sin = inputs(8, 16, 32, 16, 16, torch.float32)
+def test_rejects_partial_heads_and_mismatched_shapes():
+    x, wq, wk, wv, cos, sin = inputs(8, 16, 32, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="not whole heads of 16"):
-        qk_rope_norm(x, wq, wk[:8], cos, sin)
-    with pytest.raises(ValueError, match=r"expected \[T, C\], \[Nq, C\], \[Nk, C\]"):
-        qk_rope_norm(x, wq, wk, cos[:4], sin[:4])
+        qkv_rope_norm(x, wq, wk[:8], wv, cos, sin)
+    with pytest.raises(ValueError, match="not whole heads of 16"):
+        qkv_rope_norm(x, wq, wk, wv[:8], cos, sin)
+    with pytest.raises(ValueError, match=r"expected \[T, C\], \[Nq, C\], \[Nk, C\], \[Nv, C\]"):
+        qkv_rope_norm(x, wq, wk, wv, cos[:4], sin[:4])
+    with pytest.raises(ValueError, match=r"expected \[T, C\], \[Nq, C\], \[Nk, C\], \[Nv, C\]"):
+        qkv_rope_norm(x, wq, wk, wv[:, :8], cos, sin)
 
 
 @pytest.mark.gpu
@@ -112,7 +122,7 @@ def test_gluon_product_matches_float64(shape, dtype):
     from kernels.gemm_hopper import rope_norm_matmul
 
     T, C, Nq, Nk, head_dim = shape
-    x, wq, wk, cos, sin = inputs(T, C, Nq, Nk, head_dim, dtype, "cuda")
+    x, wq, wk, _, cos, sin = inputs(T, C, Nq, Nk, head_dim, dtype, "cuda")
     q, k, rstd = rope_norm_matmul(x, wq, wk, cos, sin, head_dim)
     refs, ref_rstd = [], []
     for w in (wq, wk):
@@ -130,15 +140,24 @@ def test_gluon_product_matches_float64(shape, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-def test_operator_on_hopper_matches_float64_autograd():
-    """The whole operator at a d12 buffer in bf16 with grouped keys, forward and backward, against float64
-    autograd of the model's formula."""
+@pytest.mark.parametrize(
+    "C, Nq, Nk",
+    [
+        (768, 768, 256),  # grouped keys; the weight gradient [1280, 768] is cuBLAS's
+        (1280, 1280, 1280),  # d20: the weight gradient [3840, 1280] is wgrad_hopper's stream-K product
+    ],
+)
+def test_operator_on_hopper_matches_float64_autograd(C, Nq, Nk):
+    """The whole operator at a 65,536-token buffer in bf16, forward and backward, against float64 autograd
+    of the model's formula."""
+    from kernels import wgrad_hopper
+
     T = 65536
-    x, wq, wk, cos, sin = inputs(T, 768, 768, 256, 128, torch.bfloat16, "cuda")
-    dq = torch.randn(T, 768, device="cuda", dtype=torch.bfloat16)
-    dk = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
-    got = values_and_grads(qk_rope_norm, x, wq, wk, cos, sin, dq, dk)
-    wide = (t.double() for t in (x, wq, wk, cos, sin, dq, dk))
-    want = values_and_grads(model_formula, *wide)
+    x, wq, wk, wv, cos, sin = inputs(T, C, Nq, Nk, 128, torch.bfloat16, "cuda")
+    grads = output_grads(T, Nq, Nk, torch.bfloat16, "cuda")
+    dh = torch.empty(T, Nq + 2 * Nk, device="cuda", dtype=torch.bfloat16)
+    assert wgrad_hopper.preferred(dh, x) == (C == 1280)
+    got = values_and_grads(qkv_rope_norm, x, wq, wk, wv, cos, sin, *grads)
+    want = values_and_grads(model_formula, *(t.double() for t in (x, wq, wk, wv, cos, sin, *grads)))
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert rel_err(a, b) < 1e-2, name
