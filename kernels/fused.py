@@ -23,12 +23,14 @@ def on_hopper_product(*tensors: torch.Tensor) -> bool:
     return gemm_hopper.supported(*tensors)
 
 
-def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """g^T x, summed over the tokens: kernels/wgrad_hopper.py's stream-K product where it is `preferred`
-    over cuBLAS, else cuBLAS's."""
+def weight_grad(g: torch.Tensor, x: torch.Tensor, g2: torch.Tensor | None = None) -> torch.Tensor:
+    """g^T x summed over the tokens, or with g2 [g | g2]^T x: kernels/wgrad_hopper.py's stream-K product
+    where it is `preferred` over cuBLAS, else cuBLAS's (one product per gradient)."""
     if g.is_cuda:
         from kernels import wgrad_hopper
 
-        if wgrad_hopper.preferred(g, x):
-            return wgrad_hopper.weight_grad(g, x)
-    return g.t() @ x
+        if wgrad_hopper.preferred(g, x, g2):
+            return wgrad_hopper.weight_grad(g, x, g2=g2)
+    if g2 is None:
+        return g.t() @ x
+    return torch.cat([g.t() @ x, g2.t() @ x])

@@ -61,7 +61,7 @@ WARPS = 4
 # At 168 registers a thread the 384 threads hold the register file, shared out as 240 / 240 / 24.
 MAX_REGISTERS = 168
 # The epilogues.
-RELU2, RELU2_GRAD, ROPE_NORM, RESIDUAL = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
+RELU2, RELU2_GRAD, ROPE_NORM, RESIDUAL, PLAIN = (gl.constexpr(e) for e in range(5))
 # RMSNorm's epsilon (kernels/fused.py), a constexpr for the jit code.
 NORM_EPS = gl.constexpr(RMS_EPS)
 
@@ -78,10 +78,10 @@ def _tile(t, n_tiles_n, n_tiles_n1, BM: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(args):
+def _load_partition(args, B_KN: gl.constexpr):
     """One warp: A and B blocks of every tile of this program, slot after slot of the ring."""
-    (a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
-     Cos, Sin, Rstd, M, N, N2, K, n_tiles, n_tiles_n1, n_tiles_n) = args
+    (a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
+     Cos, Sin, Rstd, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n) = args
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = c_desc.block_type.shape[1]
@@ -94,8 +94,13 @@ def _load_partition(args):
             # A slot's first use waits on phase 1, which a fresh mbarrier counts as complete.
             mbarrier.wait(free.index(slot), ((j // NS) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [m0, k0], ready.index(slot), a_smem.index(slot))
-            if second:
+            if k0 < K1:
+                _tma_load(a_desc, [m0, k0], ready.index(slot), a_smem.index(slot))
+            else:
+                _tma_load(a2_desc, [m0, k0 - K1], ready.index(slot), a_smem.index(slot))
+            if B_KN:
+                _tma_load(b_desc, [k0, n0], ready.index(slot), b_smem.index(slot))
+            elif second:
                 _tma_load(b2_desc, [n0, k0], ready.index(slot), b_smem.index(slot))
             else:
                 _tma_load(b_desc, [n0, k0], ready.index(slot), b_smem.index(slot))
@@ -136,10 +141,10 @@ def _rope_norm_epilogue(out, cos, sin, Rstd, r0, M, head0, heads, first, n_heads
 
 @gluon.jit
 def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   SCALE_ROWS: gl.constexpr):
+                   SCALE_ROWS: gl.constexpr, B_KN: gl.constexpr):
     """Warpgroup WG: rows 64 WG .. 64 WG + 63 of each tile, accumulated over K, then the epilogue."""
-    (a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
-     Cos, Sin, Rstd, M, N, N2, K, n_tiles, n_tiles_n1, n_tiles_n) = args
+    (a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
+     Cos, Sin, Rstd, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n) = args
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     HALF: gl.constexpr = c_desc.block_type.shape[0]
@@ -164,7 +169,9 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
             slot = j % NS
             mbarrier.wait(ready.index(slot), (j // NS) & 1)
             a = a_smem.index(slot).slice(WG * HALF, HALF)
-            acc = warpgroup_mma(a, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            # B's block is [BK, BN] as loaded from a [K, N] B, else [BN, BK], read K-major.
+            b = b_smem.index(slot) if B_KN else b_smem.index(slot).permute((1, 0))
+            acc = warpgroup_mma(a, b, acc, is_async=True)
             # One product stays in flight: the previous one is done reading its slot.
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             if kk > 0:
@@ -186,10 +193,13 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
         if SCALE_ROWS:
             acc = acc * scale[:, None]
 
-        if EPILOGUE == RELU2:
+        if EPILOGUE == PLAIN:
+            tma.store_wait(0)  # the last tile's store has read the buffer
+            out.store(acc.to(c_desc.dtype))
+        elif EPILOGUE == RELU2:
             acc = gl.maximum(acc, 0.0)
             acc = acc * acc
-            tma.store_wait(0)  # the last tile's store has read the buffer
+            tma.store_wait(0)
             out.store(acc.to(c_desc.dtype))
         elif EPILOGUE == RELU2_GRAD:
             mbarrier.wait(g_ready.index(WG), i & 1)
@@ -217,14 +227,15 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
 
 
 @gluon.jit
-def _second_mma_partition(args, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_ROWS: gl.constexpr):
-    _mma_partition(args, 1, EPILOGUE, HEAD_DIM, SCALE_ROWS)
+def _second_mma_partition(args, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_ROWS: gl.constexpr,
+                          B_KN: gl.constexpr):
+    _mma_partition(args, 1, EPILOGUE, HEAD_DIM, SCALE_ROWS, B_KN)
 
 
 @gluon.jit
-def _matmul_kernel(a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Cos, Sin, Rstd, M, N, N2, K,
+def _matmul_kernel(a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Cos, Sin, Rstd, M, N, N2, K, K1,
                    EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_ROWS: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   B_KN: gl.constexpr, STAGES: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -241,12 +252,12 @@ def _matmul_kernel(a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Cos, Sin, R
     n_tiles_n1 = gl.cdiv(N, BN)
     n_tiles_n = n_tiles_n1 + gl.cdiv(N2, BN)
     n_tiles = gl.cdiv(M, BM) * n_tiles_n
-    args = (a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
-            Cos, Sin, Rstd, M, N, N2, K, n_tiles, n_tiles_n1, n_tiles_n)
+    args = (a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free,
+            g_ready, Cos, Sin, Rstd, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n)
     gl.warp_specialize([
-        (_mma_partition, (args, 0, EPILOGUE, HEAD_DIM, SCALE_ROWS)),
-        (_second_mma_partition, (args, EPILOGUE, HEAD_DIM, SCALE_ROWS)),
-        (_load_partition, (args, )),
+        (_mma_partition, (args, 0, EPILOGUE, HEAD_DIM, SCALE_ROWS, B_KN)),
+        (_second_mma_partition, (args, EPILOGUE, HEAD_DIM, SCALE_ROWS, B_KN)),
+        (_load_partition, (args, B_KN)),
     ], [4, 1], [240, 24])
 
 
@@ -351,15 +362,37 @@ def rope_norm_matmul(
     return q, k, rstd
 
 
+def joined_matmul(a1: torch.Tensor, a2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[a1 | a2] b for a1 [M, K1], a2 [M, K2] and b [K1 + K2, N] (K1 a multiple of BK), without joining a1
+    and a2 in memory: the input gradient of stacked nn.Linear weights b from their outputs' gradients."""
+    (M, K1), K2, N = a1.shape, a2.shape[1], b.shape[1]
+    if a2.shape[0] != M or b.shape[0] != K1 + K2 or K1 % BK:
+        raise ValueError(
+            f"a1 {tuple(a1.shape)}, a2 {tuple(a2.shape)}, b {tuple(b.shape)}: expected [M, K1], [M, K2], "
+            f"[K1 + K2, N] with K1 a multiple of {BK}"
+        )
+    c = a1.new_empty(M, N)
+    b_desc, c_desc = _descriptor(b, [BK, BN]), _descriptor(c, [BM // 2, BN])
+    _launch(
+        PLAIN, _descriptor(a1, [BM, BK]), b_desc, b_desc, c_desc, c_desc, c_desc, M, N, 0, K1 + K2,
+        a2_desc=_descriptor(a2, [BM, BK]), K1=K1, b_kn=True,
+    )
+    return c
+
+
 def _launch(epilogue: gl.constexpr, a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, M: int, N: int, N2: int,
-            K: int, cos=None, sin=None, rstd=None, head_dim: int = 0) -> None:
-    """C = epilogue(A B^T) over the columns of B (N) and then of B2 (N2) if any, into C and C2. rstd: written
-    by the q/k product, read (rows' scales, where given) by the MLP's."""
+            K: int, cos=None, sin=None, rstd=None, head_dim: int = 0, a2_desc=None, K1: int | None = None,
+            b_kn: bool = False) -> None:
+    """C = epilogue(A B^T) over the columns of B (N) and then of B2 (N2) if any, into C and C2. A's first K1
+    columns come from a_desc and the rest from a2_desc, where given (K1 a multiple of BK). B is [N, K], or
+    with b_kn [K, N] (B^T's layout; no B2 then). rstd: written by the q/k product, read (rows' scales, where
+    given) by the MLP's."""
     n_tiles = triton.cdiv(M, BM) * (triton.cdiv(N, BN) + triton.cdiv(N2, BN))
     programs = min(n_tiles, torch.cuda.get_device_properties(a_desc.base.device).multi_processor_count)
     scale_rows = rstd is not None and epilogue.value != ROPE_NORM.value
     _matmul_kernel[(programs,)](
-        a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, cos, sin, rstd, M, N, N2, K,
-        EPILOGUE=epilogue.value, HEAD_DIM=head_dim, SCALE_ROWS=scale_rows,
+        a_desc, a2_desc or a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, cos, sin, rstd, M, N, N2, K,
+        K if K1 is None else K1,
+        EPILOGUE=epilogue.value, HEAD_DIM=head_dim, SCALE_ROWS=scale_rows, B_KN=b_kn,
         STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )

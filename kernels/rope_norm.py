@@ -13,12 +13,14 @@ Backward, per head with y = q (the output, kept for attention anyway), r its 1/r
     du = r (dy - y mean(dy y))          the RMSNorm's backward (u = rope(h), y = r u)
     dh = rope^-1(du)                    the rotation by -angle
 
-One Triton kernel writes dh of the queries' and the keys' heads and the values' gradient side by side into
-one [T, Nq + Nk + Nv] tensor (on CUDA; `reference_grad` elsewhere), so that the input gradient is one product
-over K = Nq + Nk + Nv and the three weight gradients one [Nq + Nk + Nv, C] product. At d20 that product has
-150 tiles of 128 x 256, which kernels/wgrad_hopper.py's stream-K kernel takes (on an H200, 880 us against
-1,070 for cuBLAS's two products), and the input gradient is one cuBLAS product (930 us against 965 for two,
-plus the add of their outputs). Copying dv into place costs the kernel ~80 us of that.
+One Triton kernel writes dh of the queries' and the keys' heads into one [T, Nq + Nk] tensor (on CUDA;
+`reference_grad` elsewhere). The values' gradient dv joins it only inside the products that follow, which read
+the two tensors as one [T, Nq + Nk + Nv] operand without copying them together: on Hopper the input gradient
+is one product over K = Nq + Nk + Nv (kernels/gemm_hopper.py's `joined_matmul`), and the three weight
+gradients one [Nq + Nk + Nv, C] product by kernels/wgrad_hopper.py's stream-K kernel. At d20 (an H200, 65,536
+tokens) the input gradient took 905-915 us against 930-940 for cuBLAS over a joined copy, and the copy itself
+~85 us in this kernel; as two cuBLAS products per gradient, in session 17, the backward took ~1,000 us
+more than now.
 """
 
 import torch  # noqa: I001 (kernels.flash_attn must come before triton)
@@ -63,8 +65,8 @@ def reference_forward(x, wq, wk, cos, sin):
     return outs[0], outs[1], torch.cat(rstds, dim=1)
 
 
-def reference_grad(dq, dk, dv, q, k, rstd, cos, sin):
-    """dh [T, Nq + Nk + Nv]: the gradient of the queries' and keys' product outputs, then dv, in PyTorch."""
+def reference_grad(dq, dk, q, k, rstd, cos, sin):
+    """dh [T, Nq + Nk]: the gradient of the queries' and keys' product outputs, in PyTorch."""
     head_dim = 2 * cos.shape[1]
     dh = []
     for dy, y in ((dq, q), (dk, k)):
@@ -72,14 +74,13 @@ def reference_grad(dq, dk, dv, q, k, rstd, cos, sin):
         r = rstd[:, : y.shape[1]] if not dh else rstd[:, -y.shape[1] :]
         du = r[..., None] * (dy - y * (dy * y).mean(dim=-1, keepdim=True))
         dh.append(_rotate(du, cos[:, None], -sin[:, None]).to(q.dtype).flatten(1))
-    return torch.cat(dh + [dv.to(q.dtype)], dim=1)
+    return torch.cat(dh, dim=1)
 
 
 @triton.jit
-def _head_grad(dY, Y, Rstd, dH, rows, T, c, s, width, heads, first, n_norms, dh_width,
-               HEAD_DIM: tl.constexpr):
+def _head_grad(dY, Y, Rstd, dH, rows, T, c, s, width, heads, first, n_heads, HEAD_DIM: tl.constexpr):
     """Every head of one input (queries or keys: dY, Y [T, width]) for these rows, into dH's columns of heads
-    first.. (see the module docstring). Rstd has n_norms columns, dH dh_width."""
+    first.. (see the module docstring). Rstd and dH have n_heads heads' columns."""
     HALF: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, HALF)
     inside = rows[:, None] < T
@@ -89,51 +90,36 @@ def _head_grad(dY, Y, Rstd, dH, rows, T, c, s, width, heads, first, n_norms, dh_
         dy2 = tl.load(dY + lo + HALF, mask=inside, other=0.0).to(tl.float32)
         y1 = tl.load(Y + lo, mask=inside, other=0.0).to(tl.float32)
         y2 = tl.load(Y + lo + HALF, mask=inside, other=0.0).to(tl.float32)
-        r = tl.load(Rstd + rows * n_norms + first + head, mask=rows < T, other=0.0)
+        r = tl.load(Rstd + rows * n_heads + first + head, mask=rows < T, other=0.0)
         mean = (tl.sum(dy1 * y1, axis=1) + tl.sum(dy2 * y2, axis=1)) / HEAD_DIM
         du1 = r[:, None] * (dy1 - y1 * mean[:, None])
         du2 = r[:, None] * (dy2 - y2 * mean[:, None])
-        out = dH + rows[:, None] * dh_width + (first + head) * HEAD_DIM + cols[None, :]
+        out = dH + rows[:, None] * (n_heads * HEAD_DIM) + (first + head) * HEAD_DIM + cols[None, :]
         tl.store(out, (du1 * c + du2 * s).to(dH.dtype.element_ty), mask=inside)
         tl.store(out + HALF, (du2 * c - du1 * s).to(dH.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _copy_heads(X, dH, rows, T, width, first_col, dh_width, HEAD_DIM: tl.constexpr):
-    """X [T, width] (whole heads) for these rows into dH's columns first_col.., a head at a time."""
-    cols = tl.arange(0, HEAD_DIM)
-    inside = rows[:, None] < T
-    for c0 in range(0, width, HEAD_DIM):
-        x = tl.load(X + rows[:, None] * width + c0 + cols[None, :], mask=inside)
-        tl.store(dH + rows[:, None] * dh_width + first_col + c0 + cols[None, :], x.to(dH.dtype.element_ty),
-                 mask=inside)
-
-
-@triton.jit
-def _rope_norm_bwd_kernel(dQ, dK, dV, Q, K, Rstd, Cos, Sin, dH, T, NQ, NK, NV, HEAD_DIM: tl.constexpr,
+def _rope_norm_bwd_kernel(dQ, dK, Q, K, Rstd, Cos, Sin, dH, T, NQ, NK, HEAD_DIM: tl.constexpr,
                           ROWS: tl.constexpr):
-    """dH for ROWS rows, every head of queries, then of keys, then the values' gradient: the rows' angles are
-    loaded once."""
+    """dH for ROWS rows, every head of queries then of keys: the rows' angles are loaded once."""
     HALF: tl.constexpr = HEAD_DIM // 2
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     angles = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
     c = tl.load(Cos + angles, mask=rows[:, None] < T, other=1.0)
     s = tl.load(Sin + angles, mask=rows[:, None] < T, other=0.0)
     HQ, HK = NQ // HEAD_DIM, NK // HEAD_DIM
-    width = NQ + NK + NV
-    _head_grad(dQ, Q, Rstd, dH, rows, T, c, s, NQ, HQ, 0, HQ + HK, width, HEAD_DIM)
-    _head_grad(dK, K, Rstd, dH, rows, T, c, s, NK, HK, HQ, HQ + HK, width, HEAD_DIM)
-    _copy_heads(dV, dH, rows, T, NV, NQ + NK, width, HEAD_DIM)
+    _head_grad(dQ, Q, Rstd, dH, rows, T, c, s, NQ, HQ, 0, HQ + HK, HEAD_DIM)
+    _head_grad(dK, K, Rstd, dH, rows, T, c, s, NK, HK, HQ, HQ + HK, HEAD_DIM)
 
 
-def rope_norm_grad(dq, dk, dv, q, k, rstd, cos, sin) -> torch.Tensor:
-    """dh [T, Nq + Nk + Nv] by the Triton kernel (all tensors contiguous, on one device)."""
+def rope_norm_grad(dq, dk, q, k, rstd, cos, sin) -> torch.Tensor:
+    """dh [T, Nq + Nk] by the Triton kernel (all tensors contiguous, on one device)."""
     check_interpreter()
-    (T, Nq), Nk, Nv, head_dim = q.shape, k.shape[1], dv.shape[1], 2 * cos.shape[1]
-    dh = q.new_empty(T, Nq + Nk + Nv)
+    (T, Nq), Nk, head_dim = q.shape, k.shape[1], 2 * cos.shape[1]
+    dh = q.new_empty(T, Nq + Nk)
     _rope_norm_bwd_kernel[(triton.cdiv(T, BWD_ROWS),)](
-        dq, dk, dv, q, k, rstd, cos, sin, dh, T, Nq, Nk, Nv, HEAD_DIM=head_dim, ROWS=BWD_ROWS,
-        num_warps=BWD_WARPS,
+        dq, dk, q, k, rstd, cos, sin, dh, T, Nq, Nk, HEAD_DIM=head_dim, ROWS=BWD_ROWS, num_warps=BWD_WARPS,
     )
     return dh
 
@@ -179,13 +165,23 @@ def qkv_rope_norm_bwd(
     k: torch.Tensor,
     rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx and the gradient of [wq; wk; wv] (one product each)."""
+    """dx and the gradient of [wq; wk; wv], from dh [T, Nq + Nk] and dv read as one operand."""
     dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
     if x.is_cuda:
-        dh = rope_norm_grad(dq, dk, dv, q, k, rstd, cos, sin)
+        dh = rope_norm_grad(dq, dk, q, k, rstd, cos, sin)
     else:
-        dh = reference_grad(dq, dk, dv, q, k, rstd, cos, sin)
-    return dh @ torch.cat([wq, wk, wv]), weight_grad(dh, x)
+        dh = reference_grad(dq, dk, q, k, rstd, cos, sin)
+    return _input_grad(dh, dv, torch.cat([wq, wk, wv])), weight_grad(dh, x, dv)
+
+
+def _input_grad(dh: torch.Tensor, dv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[dh | dv] w: one product on Hopper, two elsewhere."""
+    if on_hopper_product(dh, dv, w):
+        from kernels import gemm_hopper
+
+        if dh.shape[1] % gemm_hopper.BK == 0:
+            return gemm_hopper.joined_matmul(dh, dv, w)
+    return dh @ w[: dh.shape[1]] + dv @ w[dh.shape[1] :]
 
 
 @qkv_rope_norm_bwd.register_fake

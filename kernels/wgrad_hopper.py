@@ -162,7 +162,7 @@ def _segment(s, p, lo, hi, first, plan):
 @gluon.jit
 def _load_partition(args):
     """One warp: the blocks of G and X of every K-step of this program's segments, slot after slot."""
-    g_desc, x_desc, Out, Part, a_smem, b_smem, ready, free, M, N, n_tiles_n, plan = args
+    g_desc, g2_desc, x_desc, Out, Part, a_smem, b_smem, ready, free, M, M1, N, n_tiles_n, plan = args
     BKc: gl.constexpr = g_desc.block_type.shape[0]
     HALF: gl.constexpr = g_desc.block_type.shape[1]
     BNc: gl.constexpr = x_desc.block_type.shape[1]
@@ -180,8 +180,12 @@ def _load_partition(args):
             mbarrier.wait(free.index(st), ((j // NS) & 1) ^ 1)
             mbarrier.expect(ready.index(st), 2 * g_desc.block_type.nbytes + x_desc.block_type.nbytes)
             k0 = kk * BKc
-            _tma_load(g_desc, [k0, m0], ready.index(st), a_smem.index(2 * st))
-            _tma_load(g_desc, [k0, m0 + HALF], ready.index(st), a_smem.index(2 * st + 1))
+            if m0 < M1:
+                _tma_load(g_desc, [k0, m0], ready.index(st), a_smem.index(2 * st))
+                _tma_load(g_desc, [k0, m0 + HALF], ready.index(st), a_smem.index(2 * st + 1))
+            else:
+                _tma_load(g2_desc, [k0, m0 - M1], ready.index(st), a_smem.index(2 * st))
+                _tma_load(g2_desc, [k0, m0 - M1 + HALF], ready.index(st), a_smem.index(2 * st + 1))
             _tma_load(x_desc, [k0, n0], ready.index(st), b_smem.index(st))
             j += 1
 
@@ -190,7 +194,7 @@ def _load_partition(args):
 def _mma_partition(args, WG: gl.constexpr):
     """Warpgroup WG: rows 64 WG .. 64 WG + 63 of each segment's tile, summed over its K-steps and stored
     to C (masked, in C's dtype) or to its workspace slot (fp32, whole)."""
-    g_desc, x_desc, Out, Part, a_smem, b_smem, ready, free, M, N, n_tiles_n, plan = args
+    g_desc, g2_desc, x_desc, Out, Part, a_smem, b_smem, ready, free, M, M1, N, n_tiles_n, plan = args
     HALF: gl.constexpr = g_desc.block_type.shape[1]
     BNc: gl.constexpr = x_desc.block_type.shape[1]
     NS: gl.constexpr = b_smem.type.shape[0]
@@ -233,8 +237,8 @@ def _second_mma_partition(args):
 
 
 @gluon.jit
-def _wgrad_kernel(g_desc, x_desc, Out, Part, M, N, n_tiles_n, ks, q, q2, R, S, max_seg, split_slots, I0, TB,
-                  STAGES: gl.constexpr):
+def _wgrad_kernel(g_desc, g2_desc, x_desc, Out, Part, M, M1, N, n_tiles_n, ks, q, q2, R, S, max_seg,
+                  split_slots, I0, TB, STAGES: gl.constexpr):
     a_smem = gl.allocate_shared_memory(g_desc.dtype, [2 * STAGES] + g_desc.block_type.shape, g_desc.layout)
     b_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -243,7 +247,7 @@ def _wgrad_kernel(g_desc, x_desc, Out, Part, M, N, n_tiles_n, ks, q, q2, R, S, m
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(free.index(i), count=2)  # both warpgroups read every slot
     plan = (gl.num_programs(0), q, q2, R, S, ks, max_seg, split_slots, I0, TB)
-    args = (g_desc, x_desc, Out, Part, a_smem, b_smem, ready, free, M, N, n_tiles_n, plan)
+    args = (g_desc, g2_desc, x_desc, Out, Part, a_smem, b_smem, ready, free, M, M1, N, n_tiles_n, plan)
     gl.warp_specialize([
         (_mma_partition, (args, 0)),
         (_second_mma_partition, (args, )),
@@ -394,39 +398,52 @@ def reduce_partials(plan: Plan, part: torch.Tensor, out: torch.Tensor) -> None:
     )
 
 
-def preferred(g: torch.Tensor, x: torch.Tensor) -> bool:
+def preferred(g: torch.Tensor, x: torch.Tensor, g2: torch.Tensor | None = None) -> bool:
     """Whether to take this kernel over cuBLAS for g^T x: `supported`, over many tokens, in whole BM x BN
     tiles that make more than one wave on the SMs but not two. There cuBLAS runs a second, partly empty
     wave (on an H200 at 65,536 tokens: [5120, 1280], 200 tiles on 132 SMs, 1,223 us against 1,119 here),
     while with fewer tiles it splits K itself and with more it loses less to the last wave ([3072, 768]
     376 against 403 us, [6144, 1536] 1,451 against 1,630 us). Ragged tiles waste this kernel's work where
-    cuBLAS picks another tile shape ([4608, 1152]: 883 against 985 us)."""
-    M, N = g.shape[1], x.shape[1]
-    if not supported(g, x) or g.shape[0] < MIN_TOKENS or M % BM or N % BN:
+    cuBLAS picks another tile shape ([4608, 1152]: 883 against 985 us).
+    With g2, for [g | g2]^T x, whatever the number of tiles: cuBLAS would take two products, or one after a
+    copy that joins g and g2 (at [2304, 768], 54 tiles: 326-385 us without the copy's ~150, and 342-370
+    here)."""
+    M, N = g.shape[1] + (0 if g2 is None else g2.shape[1]), x.shape[1]
+    if not supported(g, x, *(() if g2 is None else (g2,))) or g.shape[0] < MIN_TOKENS or M % BM or N % BN:
         return False
+    if g2 is not None:
+        return g.shape[1] % BM == 0 and g2.shape[0] == g.shape[0]
     sms = torch.cuda.get_device_properties(g.device).multi_processor_count
     return sms < (M // BM) * (N // BN) < 2 * sms
 
 
-def supported(g: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether g and x suit the kernel: a Hopper GPU, the same 16-bit dtype, 2-D, row-major with 16-byte
-    aligned rows and base (as kernels/gemm_hopper.py's products)."""
-    return x.is_cuda and gemm_hopper.supported(g, x)
+def supported(*tensors: torch.Tensor) -> bool:
+    """Whether these (g, x, and g2 if any) suit the kernel: a Hopper GPU, the same 16-bit dtype, 2-D,
+    row-major with 16-byte aligned rows and base (as kernels/gemm_hopper.py's products)."""
+    return tensors[0].is_cuda and gemm_hopper.supported(*tensors)
 
 
 def weight_grad(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None = None, *,
-                programs: int | None = None, split: int | None = None, stream_k_only: bool = False
-                ) -> torch.Tensor:
+                g2: torch.Tensor | None = None, programs: int | None = None, split: int | None = None,
+                stream_k_only: bool = False) -> torch.Tensor:
     """g^T x [M, N] for g [K, M] and x [K, N] (see `supported`), summed in fp32, in out_dtype (g's dtype by
-    default; bfloat16, float16 or float32). `programs`, `split` and `stream_k_only`: see `make_plan`."""
+    default; bfloat16, float16 or float32). With g2 [K, M2], [g | g2]^T x [M + M2, N], without joining g
+    and g2 in memory (M a multiple of BM). `programs`, `split` and `stream_k_only`: see `make_plan`."""
     if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0]:
         raise ValueError(f"g {tuple(g.shape)} and x {tuple(x.shape)}: expected [K, M] and [K, N]")
     if g.dtype != x.dtype or g.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"g {g.dtype} and x {x.dtype}: expected the same 16-bit float dtype")
+    if g2 is not None and (g2.dim() != 2 or g2.shape[0] != g.shape[0] or g2.dtype != g.dtype
+                           or g.shape[1] % BM):
+        raise ValueError(
+            f"g {g.dtype} {tuple(g.shape)} and g2 {g2.dtype} {tuple(g2.shape)}: expected [K, M] and "
+            f"[K, M2] of one dtype, M a multiple of {BM}"
+        )
     out_dtype = out_dtype or g.dtype
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"out_dtype {out_dtype}: expected bfloat16, float16 or float32")
-    (K, M), N = g.shape, x.shape[1]
+    (K, M1), N = g.shape, x.shape[1]
+    M = M1 + (0 if g2 is None else g2.shape[1])
     out = torch.empty(M, N, device=g.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out
@@ -435,8 +452,10 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None 
     plan = make_plan(M, N, K, torch.cuda.get_device_properties(g.device).multi_processor_count, programs,
                      split, stream_k_only)
     part = torch.empty(max(plan.slots, 1), BM, BN, device=g.device, dtype=torch.float32)
+    g_desc = _descriptor(g, [BK, BM // 2])
     _wgrad_kernel[(plan.programs,)](
-        _descriptor(g, [BK, BM // 2]), _descriptor(x, [BK, BN]), out, part, M, N, triton.cdiv(N, BN),
+        g_desc, g_desc if g2 is None else _descriptor(g2, [BK, BM // 2]), _descriptor(x, [BK, BN]), out, part,
+        M, M if g2 is None else M1, N, triton.cdiv(N, BN),
         *plan_args(plan), STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )
     reduce_partials(plan, part, out)

@@ -56,6 +56,7 @@ GEMM_KERNELS = {
     "relu2_grad": gh.RELU2_GRAD,
     "rope_norm": gh.ROPE_NORM,
     "residual": gh.RESIDUAL,
+    "joined": gh.PLAIN,
 }
 # The products of Hopper alone, each by its inspector: gemm_hopper's epilogues and wgrad_hopper's.
 HOPPER_PRODUCTS = [*GEMM_KERNELS, "wgrad"]
@@ -261,9 +262,12 @@ def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     epilogue = GEMM_KERNELS[kernel]
+    # The joined product reads its weights as stored, [K, N] (see `joined_matmul`).
+    b_kn = epilogue == gh.PLAIN
 
     def descriptor(name):
-        shape = {"a_desc": [gh.BM, gh.BK], "b_desc": [gh.BN, gh.BK], "b2_desc": [gh.BN, gh.BK]}.get(
+        b = [gh.BK, gh.BN] if b_kn else [gh.BN, gh.BK]
+        shape = {"a_desc": [gh.BM, gh.BK], "a2_desc": [gh.BM, gh.BK], "b_desc": b, "b2_desc": b}.get(
             name, [gh.BM // 2, gh.BN]
         )
         return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
@@ -274,13 +278,17 @@ def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
     # The MLP's products scale their rows by the input's 1/rms, as the model runs them.
     scale_rows = epilogue in (gh.RELU2, gh.RELU2_GRAD)
     constants = dict(
-        EPILOGUE=epilogue.value, HEAD_DIM=128 if rope else 0, SCALE_ROWS=scale_rows, STAGES=gh.STAGES
+        EPILOGUE=epilogue.value,
+        HEAD_DIM=128 if rope else 0,
+        SCALE_ROWS=scale_rows,
+        B_KN=b_kn,
+        STAGES=gh.STAGES,
     )
     if not rope:
         constants |= dict(Cos=None, Sin=None)
     if not (rope or scale_rows):
         constants |= dict(Rstd=None)
-    sig, constexprs, attrs = _signature(fn, constants, descriptor, aligned_ints={"M", "N", "N2", "K"})
+    sig, constexprs, attrs = _signature(fn, constants, descriptor, aligned_ints={"M", "N", "N2", "K", "K1"})
     source = GluonASTSource(fn, sig, constexprs, attrs)
     options = dict(num_warps=gh.WARPS, maxnreg=gh.MAX_REGISTERS)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
@@ -296,11 +304,11 @@ def inspect_wgrad_kernel(arch: int) -> dict:
     from kernels import wgrad_hopper as wh
 
     def descriptor(name):
-        shape = [wh.BK, wh.BM // 2] if name == "g_desc" else [wh.BK, wh.BN]
+        shape = [wh.BK, wh.BM // 2] if name in ("g_desc", "g2_desc") else [wh.BK, wh.BN]
         return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
 
     fn = wh._wgrad_kernel
-    sig, constexprs, attrs = _signature(fn, dict(STAGES=wh.STAGES), descriptor, aligned_ints={"M", "N"})
+    sig, constexprs, attrs = _signature(fn, dict(STAGES=wh.STAGES), descriptor, aligned_ints={"M", "M1", "N"})
     options = dict(num_warps=wh.WARPS, maxnreg=wh.MAX_REGISTERS)
     compiled = triton.compile(
         GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options

@@ -1,5 +1,6 @@
 """The q/k/v operator with RoPE and QK-norm (kernels/rope_norm.py): its autograd against float64 autograd of
-the model's own formula, its backward kernel, compile, and (on Hopper) the Gluon product's epilogue."""
+the model's own formula, its backward kernel, compile, and (on Hopper) the Gluon products: the forward's
+epilogue and the backward's input gradient from two operands."""
 
 import pytest
 import torch
@@ -61,20 +62,18 @@ def test_operator_matches_autograd_of_the_model_formula():
 
 def test_backward_kernel_matches_the_formula():
     """The Triton backward (the interpreter on CPU) against the formula in float64, over a ragged last block
-    of rows and grouped keys; each head's gradient lands in its own columns of dh, and dv is copied after
-    them unchanged."""
+    of rows and grouped keys; each head's gradient lands in its own columns of dh."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     T, head_dim, Nq, Nk = 100, 32, 128, 32
     gen = torch.Generator(device=device).manual_seed(1)
-    q, k, dq, dk, dv = (torch.randn(T, n, device=device, generator=gen) for n in (Nq, Nk, Nq, Nk, Nk))
+    q, k, dq, dk = (torch.randn(T, n, device=device, generator=gen) for n in (Nq, Nk, Nq, Nk))
     rstd = torch.rand(T, (Nq + Nk) // head_dim, device=device, generator=gen) + 0.5
     angles = torch.rand(T, head_dim // 2, device=device, generator=gen) * 6.3
     cos, sin = angles.cos(), angles.sin()
-    got = rope_norm_grad(dq, dk, dv, q, k, rstd, cos, sin)
-    want = reference_grad(*(t.double() for t in (dq, dk, dv, q, k, rstd, cos, sin)))
-    assert got.shape == (T, Nq + 2 * Nk)
-    assert rel_err(got[:, : Nq + Nk], want[:, : Nq + Nk]) < 1e-6
-    assert torch.equal(got[:, Nq + Nk :], dv)
+    got = rope_norm_grad(dq, dk, q, k, rstd, cos, sin)
+    want = reference_grad(*(t.double() for t in (dq, dk, q, k, rstd, cos, sin)))
+    assert got.shape == (T, Nq + Nk)
+    assert rel_err(got, want) < 1e-6
 
 
 def test_compiles_without_graph_break():
@@ -143,8 +142,9 @@ def test_gluon_product_matches_float64(shape, dtype):
 @pytest.mark.parametrize(
     "C, Nq, Nk",
     [
-        (768, 768, 256),  # grouped keys; the weight gradient [1280, 768] is cuBLAS's
-        (1280, 1280, 1280),  # d20: the weight gradient [3840, 1280] is wgrad_hopper's stream-K product
+        (768, 768, 256),  # grouped keys
+        (1280, 1280, 1280),  # d20
+        (640, 640, 128),  # C not in whole tiles of 256: the weight gradients are cuBLAS's two products
     ],
 )
 def test_operator_on_hopper_matches_float64_autograd(C, Nq, Nk):
@@ -155,9 +155,42 @@ def test_operator_on_hopper_matches_float64_autograd(C, Nq, Nk):
     T = 65536
     x, wq, wk, wv, cos, sin = inputs(T, C, Nq, Nk, 128, torch.bfloat16, "cuda")
     grads = output_grads(T, Nq, Nk, torch.bfloat16, "cuda")
-    dh = torch.empty(T, Nq + 2 * Nk, device="cuda", dtype=torch.bfloat16)
-    assert wgrad_hopper.preferred(dh, x) == (C == 1280)
+    dh, dv = (torch.empty(T, n, device="cuda", dtype=torch.bfloat16) for n in (Nq + Nk, Nk))
+    assert wgrad_hopper.preferred(dh, x, dv) == (C != 640)
     got = values_and_grads(qkv_rope_norm, x, wq, wk, wv, cos, sin, *grads)
     want = values_and_grads(model_formula, *(t.double() for t in (x, wq, wk, wv, cos, sin, *grads)))
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert rel_err(a, b) < 1e-2, name
+
+
+def test_joined_product_rejects_a_split_inside_a_k_step():
+    from kernels.gemm_hopper import BK, joined_matmul
+
+    a1, a2, b = torch.zeros(8, BK + 8), torch.zeros(8, 8), torch.zeros(BK + 16, 16)
+    with pytest.raises(ValueError, match=f"K1 a multiple of {BK}"):
+        joined_matmul(a1, a2, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "M, K1, K2, N",
+    [
+        (65536, 2560, 1280, 1280),  # d20's input gradient
+        (65536, 1536, 768, 768),  # d12's
+        (1000, 128, 72, 136),  # ragged rows, a ragged last step of K, N not in whole tiles
+        (1, 256, 128, 768),  # one token
+    ],
+)
+def test_joined_product_matches_float64(M, K1, K2, N, dtype):
+    """[a1 | a2] b from two operands against float64 of the joined product."""
+    from kernels.gemm_hopper import joined_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    a1, a2 = (torch.randn(M, k, device="cuda", generator=gen).to(dtype) for k in (K1, K2))
+    b = (torch.randn(K1 + K2, N, device="cuda", generator=gen) * (K1 + K2) ** -0.5).to(dtype)
+    got = joined_matmul(a1, a2, b)
+    want = torch.cat([a1, a2], dim=1).double() @ b.double()
+    assert got.shape == (M, N) and got.dtype == dtype
+    assert rel_err(got, want) < 4e-3  # the rounding to 16 bits

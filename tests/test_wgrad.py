@@ -156,6 +156,23 @@ def test_shape_errors_raise_before_cuda():
         wh.weight_grad(g[None], torch.zeros(64, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="out_dtype"):
         wh.weight_grad(g, torch.zeros(64, 16, dtype=torch.bfloat16), torch.int32)
+    x = torch.zeros(64, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="M a multiple of 128"):  # a tile would straddle g and g2
+        wh.weight_grad(g, x, g2=torch.zeros(64, 128, dtype=torch.bfloat16))
+    g = torch.zeros(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"expected \[K, M\] and \[K, M2\]"):  # g2 over other tokens
+        wh.weight_grad(g, x, g2=torch.zeros(63, 8, dtype=torch.bfloat16))
+
+
+def test_two_sources_on_cpu_take_one_product_each():
+    """kernels/fused.py's chooser off Hopper: [g | g2]^T x as two products, against float64."""
+    from kernels.fused import weight_grad
+
+    gen = torch.Generator().manual_seed(0)
+    g, g2, x = (torch.randn(50, n, generator=gen) for n in (24, 8, 12))
+    ref = torch.cat([g, g2], dim=1).double().t() @ x.double()
+    torch.testing.assert_close(weight_grad(g, x, g2).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight_grad(g, x).double(), ref[:24], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -240,3 +257,22 @@ def test_strided_rows():
     g, x = base[:, :200], base[:, 208:344]
     assert wh.supported(g, x)
     assert rel_error(wh.weight_grad(g, x, torch.float32), g, x) < bound(torch.float32, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize(
+    "K, M1, M2, N",
+    [(65536, 2560, 1280, 1280), (65536, 1536, 768, 768), (8192, 1024, 256, 768), (1000, 128, 72, 136)],
+)
+def test_two_sources(K, M1, M2, N):
+    """[g | g2]^T x from two tensors: bitwise the product over their joined copy (the same schedule sums
+    the same blocks), and within rounding of float64; `preferred` takes every such shape of whole tiles."""
+    g, x = inputs(K, M1 + M2, N, torch.bfloat16, seed=2)
+    g1, g2 = g[:, :M1].contiguous(), g[:, M1:].contiguous()
+    for out_dtype in (torch.bfloat16, torch.float32):
+        out = wh.weight_grad(g1, x, out_dtype, g2=g2)
+        assert out.shape == (M1 + M2, N)
+        assert torch.equal(out, wh.weight_grad(g, x, out_dtype)), out_dtype
+        assert rel_error(out, g, x) < bound(out_dtype, K), out_dtype
+    assert wh.preferred(g1, x, g2) == (K >= wh.MIN_TOKENS and (M1 + M2) % wh.BM == 0 and N % wh.BN == 0)
