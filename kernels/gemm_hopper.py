@@ -1,5 +1,5 @@
 """Matrix products with the elementwise work that follows them in their epilogue: a persistent,
-warp-specialised matmul in Gluon for Hopper, with four epilogues.
+warp-specialised matmul in Gluon for Hopper, with four epilogues and a plain one.
 
 The ReLU^2 MLP. With h = x W1^T, its hidden activation is a = relu(h)^2, and its gradient dh = da * 2 relu(h).
 Since relu(h) = sqrt(a), the backward needs only a, which the forward keeps in place of h:
@@ -23,9 +23,15 @@ The residual stream's update by a block's output projection (`residual_matmul`):
 does it as an addmm, which first copies r into the output (a read and a write of the stream) and then reads
 it back in its epilogue; this epilogue reads r once.
 
+The input gradient of stacked weights from two gradients that lie apart (`joined_matmul`): [a1 | a2] W, with
+no epilogue, where cuBLAS would need a1 and a2 copied side by side first. Attention's q/k/v operator
+(kernels/rope_norm.py) takes dx = [dh_qk | dv] [Wq; Wk; Wv] this way.
+
 C = epilogue(A B^T) for A [M, K] and B [N, K], both row-major: B is W1 (an nn.Linear weight) in the MLP's
 forward, a transposed copy of W2 in its backward, Wq then Wk for queries and keys, the projection's weight
-for the residual. Each program loops over output tiles of BM x BN (tile t + i * programs). Three partitions:
+for the residual. The joined product reads B as [K, N] instead (the stacked weights as they are stored; the
+tensor cores take either major order) and A's columns from two tensors, switching at K1. Each program loops
+over output tiles of BM x BN (tile t + i * programs). Three partitions:
 - a load warp streams the tiles' A and B blocks of BK columns by TMA into a ring of STAGES slots, running
   on into the next tile while the warpgroups finish the last one;
 - two warpgroups own 64 of a tile's rows each: they accumulate over K with asynchronous products, keeping

@@ -22,6 +22,10 @@ phase may be empty. Each output tile that was not written whole is then summed b
 pieces in order of K, each piece's stream-K segments in program order. Where the stream-K phase covers a
 whole tile with one segment (S = 1), that segment goes straight to C too.
 
+G may also lie in two tensors, [G1 | G2] with G1's width a multiple of BM, so that each tile reads one of
+them: attention's q/k/v operator (kernels/rope_norm.py) takes its three weight gradients from dh and dv so,
+where cuBLAS would need them copied side by side first.
+
 Three partitions, as in kernels/gemm_hopper.py: a load warp streams each segment's blocks of G (two [BK, 64]
 blocks, one per warpgroup) and X ([BK, 256]) by TMA into a ring of STAGES slots, running on into the next
 segment while the warpgroups store the last; two warpgroups own 64 rows of M each and accumulate with

@@ -3,8 +3,9 @@ without a GPU, and report what the compiler made of them.
 
     python scripts/inspect_kernels.py [--head-dim 128] [--arch 90] [--kernels ...] [--dump DIR]
 
-For each attention kernel and length class of `block_config`, and for the Gluon products with fused
-epilogues (kernels/gemm_hopper.py, Hopper only: the MLP's `relu2` and `relu2_grad`, attention's `rope_norm`):
+For each attention kernel and length class of `block_config`, and for the Gluon products (Hopper only:
+kernels/gemm_hopper.py's MLP `relu2` and `relu2_grad`, attention's `rope_norm`, the `residual` projection and
+the `joined` input gradient; kernels/wgrad_hopper.py's `wgrad`):
 shared memory, registers and spill bytes (from the ptxas that ships with triton), the tensor-core
 instructions (wgmma) and the waits for them (`wait 0` lets no product run on past it, `wait n` leaves n
 groups in flight: only those can overlap the exponentials), and
