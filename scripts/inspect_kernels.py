@@ -5,7 +5,7 @@ without a GPU, and report what the compiler made of them.
 
 For each attention kernel and length class of `block_config`, and for the Gluon products (Hopper only:
 kernels/gemm_hopper.py's MLP `relu2` and `relu2_grad`, attention's `rope_norm`, the `residual` projection and
-the `joined` input gradient; kernels/wgrad_hopper.py's `wgrad`):
+the plain `joined` product; kernels/wgrad_hopper.py's `wgrad`):
 shared memory, registers and spill bytes (from the ptxas that ships with triton), the tensor-core
 instructions (wgmma) and the waits for them (`wait 0` lets no product run on past it, `wait n` leaves n
 groups in flight: only those can overlap the exponentials), and
@@ -263,7 +263,7 @@ def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     epilogue = GEMM_KERNELS[kernel]
-    # The joined product reads its weights as stored, [K, N] (see `joined_matmul`).
+    # The plain products read their weights as stored, [K, N] (see `matmul`, `joined_matmul`).
     b_kn = epilogue == gh.PLAIN
 
     def descriptor(name):

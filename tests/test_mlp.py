@@ -94,10 +94,10 @@ def test_rejects_mismatched_shapes():
     "shape", [(65536, 768, 3072), (4096, 1280, 5120), (1000, 128, 200), (1, 768, 3072), (7, 64, 256)]
 )
 def test_gluon_products_match_float64(shape, dtype):
-    """The two fused products alone, with and without their rows scaled, against float64 from the same
-    16-bit inputs: a d12 buffer, a d20 width, sizes that are not multiples of the tile (the TMA copies clip
-    the edges), one token (sampling) and a single step of K."""
-    from kernels.gemm_hopper import relu2_grad_matmul, relu2_matmul
+    """The two fused products alone, with and without their rows scaled, and the plain products of their
+    outputs, against float64 from the same 16-bit inputs: a d12 buffer, a d20 width, sizes that are not
+    multiples of the tile (the TMA copies clip the edges), one token (sampling) and a single step of K."""
+    from kernels.gemm_hopper import matmul, relu2_grad_matmul, relu2_matmul
 
     T, C, H = shape
     x, w1, w2 = inputs(T, C, H, dtype, "cuda")
@@ -111,6 +111,11 @@ def test_gluon_products_match_float64(shape, dtype):
         ref_dh = (g.double() @ w2.double()) * 2 * a.double().sqrt() * scale
         assert rel_err(dh, ref_dh) < 4e-3
         assert (dh[a == 0] == 0).all()  # where relu(h) = 0, so is the gradient
+        # The products over the hidden width that follow them: plain, with the weight as stored ([K, N]).
+        out = matmul(a, w2.t().contiguous())
+        assert out.dtype == dtype and rel_err(out, a.double() @ w2.double().t()) < 4e-3
+        u = matmul(dh, w1)
+        assert rel_err(u, dh.double() @ w1.double()) < 4e-3
 
 
 @pytest.mark.gpu
