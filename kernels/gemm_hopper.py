@@ -411,8 +411,8 @@ def _launch(epilogue: gl.constexpr, a_desc, b_desc, b2_desc, c_desc, c2_desc, g_
     programs = min(n_tiles, torch.cuda.get_device_properties(a_desc.base.device).multi_processor_count)
     scale_rows = rstd is not None and epilogue.value != ROPE_NORM.value
     _matmul_kernel[(programs,)](
-        a_desc, a2_desc or a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, cos, sin, rstd, M, N, N2, K,
-        K if K1 is None else K1,
+        a_desc, a_desc if a2_desc is None else a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, cos, sin,
+        rstd, M, N, N2, K, K if K1 is None else K1,
         EPILOGUE=epilogue.value, HEAD_DIM=head_dim, SCALE_ROWS=scale_rows, B_KN=b_kn,
         STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )
