@@ -23,10 +23,11 @@ The residual stream's update by a block's output projection (`residual_matmul`):
 does it as an addmm, which first copies r into the output (a read and a write of the stream) and then reads
 it back in its epilogue; this epilogue reads r once.
 
-Plain products, no epilogue: `matmul` (the MLP's products over its hidden width, kernels/mlp.py; at the
-power cap of training, 3% faster than cuBLAS's at d20), and `joined_matmul`, [a1 | a2] W for the input
-gradient of stacked weights from two gradients that lie apart, where cuBLAS would need a1 and a2 copied side
-by side first. Attention's q/k/v operator (kernels/rope_norm.py) takes dx = [dh_qk | dv] [Wq; Wk; Wv] so.
+Products with B as stored ([K, N]): `matmul`, plain or with the residual epilogue (the MLP's products over
+its hidden width, kernels/mlp.py: dh W1, and x + a W2^T, the block's update of the stream; plain, at the power
+cap of training, 3% faster than cuBLAS's at d20), and `joined_matmul`, [a1 | a2] W for the input gradient of
+stacked weights from two gradients that lie apart, where cuBLAS would need a1 and a2 copied side by side
+first. Attention's q/k/v operator (kernels/rope_norm.py) takes dx = [dh_qk | dv] [Wq; Wk; Wv] so.
 
 C = epilogue(A B^T) for A [M, K] and B [N, K], both row-major: B is W1 (an nn.Linear weight) in the MLP's
 forward, a transposed copy of W2 in its backward, Wq then Wk for queries and keys, the projection's weight
@@ -369,11 +370,14 @@ def rope_norm_matmul(
     return q, k, rstd
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a b for a [M, K] and b [K, N], no epilogue."""
+def matmul(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor | None = None) -> torch.Tensor:
+    """a b for a [M, K] and b [K, N]; with r [M, N], r + a b (the residual epilogue)."""
     if a.dim() != 2 or b.dim() != 2 or b.shape[0] != a.shape[1]:
         raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)}: expected [M, K] and [K, N]")
-    return _plain(a, None, b)
+    if r is not None and r.shape != (a.shape[0], b.shape[1]):
+        raise ValueError(f"r {tuple(r.shape)}: expected [{a.shape[0]}, {b.shape[1]}] for a {tuple(a.shape)}, "
+                         f"b {tuple(b.shape)}")
+    return _kn_product(a, None, b, r)
 
 
 def joined_matmul(a1: torch.Tensor, a2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -385,17 +389,18 @@ def joined_matmul(a1: torch.Tensor, a2: torch.Tensor, b: torch.Tensor) -> torch.
             f"a1 {tuple(a1.shape)}, a2 {tuple(a2.shape)}, b {tuple(b.shape)}: expected [M, K1], [M, K2], "
             f"[K1 + K2, N] with K1 a multiple of {BK}"
         )
-    return _plain(a1, a2, b)
+    return _kn_product(a1, a2, b, None)
 
 
-def _plain(a1: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
-    """[a1 | a2] b (a1 b without a2), shapes checked by the caller."""
+def _kn_product(a1: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, r: torch.Tensor | None):
+    """[a1 | a2] b (a1 b without a2), plus r where given; shapes checked by the caller."""
     M, K, N = a1.shape[0], b.shape[0], b.shape[1]
     c = a1.new_empty(M, N)
     b_desc, c_desc = _descriptor(b, [BK, BN]), _descriptor(c, [BM // 2, BN])
+    r_desc = c_desc if r is None else _descriptor(r, [BM // 2, BN])
     _launch(
-        PLAIN, _descriptor(a1, [BM, BK]), b_desc, b_desc, c_desc, c_desc, c_desc, M, N, 0, K,
-        a2_desc=None if a2 is None else _descriptor(a2, [BM, BK]), K1=a1.shape[1], b_kn=True,
+        PLAIN if r is None else RESIDUAL, _descriptor(a1, [BM, BK]), b_desc, b_desc, c_desc, c_desc, r_desc,
+        M, N, 0, K, a2_desc=None if a2 is None else _descriptor(a2, [BM, BK]), K1=a1.shape[1], b_kn=True,
     )
     return c
 

@@ -1,5 +1,5 @@
-"""`relu2_mlp`: the pre-norm ReLU^2 MLP, out = relu(rms_norm(x) W1^T)^2 W2^T, as PyTorch custom operators
-with autograd.
+"""`relu2_mlp`: the pre-norm ReLU^2 MLP with its residual, out = x + relu(rms_norm(x) W1^T)^2 W2^T (a block's
+update of the residual stream x), as PyTorch custom operators with autograd.
 
 The RMSNorm is never written out. With r = 1/rms of each row of x, rms_norm(x) W1^T = r * (x W1^T) row by
 row, so the first product reads x itself and scales its rows. On Hopper the products that feed and follow
@@ -7,15 +7,17 @@ the activation run kernels/gemm_hopper.py, which does the elementwise work in th
 writes a = relu(r * x W1^T)^2 straight from the product (never h, nor the normalised x), and the backward
 writes dh = r * (g W2) * 2 sqrt(a) straight from its product, with sqrt(a) = relu(h) standing in for the h
 that was never kept. With that dh, dh^T x is W1's gradient and u = dh W1 is r times the normalised input's
-gradient, from which the norm's backward is dx = u - x r^2 mean(u x). The products over the hidden width,
-a W2^T and dh W1, are the same Gluon GEMM without an epilogue (`_product`). The weight gradients run
+gradient, from which the norm's backward is dx = g + u - x r^2 mean(u x) (g from the residual). The products
+over the hidden width, x + a W2^T and dh W1, are the same Gluon GEMM, the first adding x in its epilogue
+(`_product`): the stream's add then costs no pass of its own, and the norm that follows (the next block's)
+reads one tensor instead of two. The weight gradients run
 kernels/wgrad_hopper.py where that beats cuBLAS (its `preferred`: d20's widths at full batch), else cuBLAS.
 Elsewhere the operators run the same formulas in PyTorch (`reference_*`).
 The operators take W2 transposed ([H, C], row-major), so that both fused products read their weight in
 nn.Linear's layout; `relu2_mlp` makes that copy (cast and transpose in one compiled kernel when traced).
 End to end that measured the same as a kernel that reads W2 as it is.
 Both operators have fake implementations, so torch.compile traces through them without a graph break; the
-norm's backward is plain PyTorch, which the compiler fuses with whatever adds to x's gradient (the residual).
+norm's backward is plain PyTorch, which the compiler fuses into one pass with the residual's gradient.
 """
 
 import torch  # noqa: I001 (kernels.flash_attn must come before triton)
@@ -84,7 +86,7 @@ def relu2_mlp_fwd(
         a = relu2_matmul(x, w1, rstd)
     else:
         a = reference_forward(x, w1, rstd)
-    return _product(a, w2_t), a, rstd
+    return _product(a, w2_t, x), a, rstd
 
 
 @relu2_mlp_fwd.register_fake
@@ -115,15 +117,16 @@ def relu2_mlp_bwd(
     return _product(dh, w1), weight_grad(dh, x), weight_grad(g, a).t()
 
 
-def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a b over the hidden width (K = 4 C): on Hopper the Gluon product, cuBLAS elsewhere. At the power cap
-    that training runs at, the Gluon product took 1,250 us at d20 against 1,290 for cuBLAS's (an H200, once
-    warm; cold, cuBLAS was faster), and end to end it gained 0.3% at d20 and 0.2-0.4% at d12."""
-    if on_hopper_product(a, b):
+def _product(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor | None = None) -> torch.Tensor:
+    """a b over the hidden width (K = 4 C), plus r where given: on Hopper the Gluon product, cuBLAS
+    elsewhere. At the power cap that training runs at, the plain Gluon product took 1,250 us at d20 against
+    1,290 for cuBLAS's (an H200, once warm; cold, cuBLAS was faster), and end to end it gained 0.3% at d20
+    and 0.2-0.4% at d12."""
+    if on_hopper_product(a, b, *([] if r is None else [r])):
         from kernels.gemm_hopper import matmul
 
-        return matmul(a, b)
-    return a @ b
+        return matmul(a, b, r)
+    return a @ b if r is None else torch.addmm(r, a, b)
 
 
 @relu2_mlp_bwd.register_fake
@@ -141,7 +144,7 @@ def _backward(ctx, grad_out, grad_a, grad_rstd):
     x, w1, w2_t, a, rstd = ctx.saved_tensors
     u, dw1, dw2 = relu2_mlp_bwd(grad_out, x, w1, w2_t, a, rstd)
     xf, uf = x.to(rstd.dtype), u.to(rstd.dtype)
-    dx = uf - xf * (rstd.square() * (uf * xf).mean(dim=-1))[:, None]
+    dx = grad_out.to(rstd.dtype) + uf - xf * (rstd.square() * (uf * xf).mean(dim=-1))[:, None]
     return dx.to(x.dtype), dw1, dw2
 
 
@@ -149,7 +152,7 @@ relu2_mlp_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def relu2_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """relu(rms_norm(x) w1^T)^2 w2^T for x [T, C], w1 [H, C] and w2 [C, H], in x's dtype (the weights are
+    """x + relu(rms_norm(x) w1^T)^2 w2^T for x [T, C], w1 [H, C] and w2 [C, H], in x's dtype (the weights are
     cast to it, as autocast would cast them for the products)."""
     if x.dim() != 2 or w1.shape != (w2.shape[1], x.shape[1]) or w2.shape[0] != x.shape[1]:
         raise ValueError(

@@ -126,13 +126,10 @@ def rope_norm_grad(dq, dk, q, k, rstd, cos, sin) -> torch.Tensor:
 
 @torch.library.custom_op("varlen_gpt::qkv_rope_norm_fwd", mutates_args=())
 def qkv_rope_norm_fwd(
-    x: torch.Tensor,
-    wq: torch.Tensor,
-    wk: torch.Tensor,
-    wv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    x: torch.Tensor, w: torch.Tensor, nq: int, nk: int, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, rstd) from the stacked weights w = [Wq; Wk; Wv] (Wq's rows nq, Wk's nk)."""
+    wq, wk, wv = w[:nq], w[nq : nq + nk], w[nq + nk :]
     if on_hopper_product(x, wq, wk) and supported_head_dim(2 * cos.shape[1]):
         from kernels.gemm_hopper import rope_norm_matmul
 
@@ -143,11 +140,10 @@ def qkv_rope_norm_fwd(
 
 
 @qkv_rope_norm_fwd.register_fake
-def _(x, wq, wk, wv, cos, sin):
-    heads = (wq.shape[0] + wk.shape[0]) // (2 * cos.shape[1])
-    rstd = x.new_empty(x.shape[0], heads, dtype=wide(x.dtype))
+def _(x, w, nq, nk, cos, sin):
     T = x.shape[0]
-    return x.new_empty(T, wq.shape[0]), x.new_empty(T, wk.shape[0]), x.new_empty(T, wv.shape[0]), rstd
+    rstd = x.new_empty(T, (nq + nk) // (2 * cos.shape[1]), dtype=wide(x.dtype))
+    return x.new_empty(T, nq), x.new_empty(T, nk), x.new_empty(T, w.shape[0] - nq - nk), rstd
 
 
 @torch.library.custom_op("varlen_gpt::qkv_rope_norm_bwd", mutates_args=())
@@ -156,22 +152,20 @@ def qkv_rope_norm_bwd(
     dk: torch.Tensor,
     dv: torch.Tensor,
     x: torch.Tensor,
-    wq: torch.Tensor,
-    wk: torch.Tensor,
-    wv: torch.Tensor,
+    w: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx and the gradient of [wq; wk; wv], from dh [T, Nq + Nk] and dv read as one operand."""
+    """dx and the gradient of w = [Wq; Wk; Wv], from dh [T, Nq + Nk] and dv read as one operand."""
     dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
     if x.is_cuda:
         dh = rope_norm_grad(dq, dk, q, k, rstd, cos, sin)
     else:
         dh = reference_grad(dq, dk, q, k, rstd, cos, sin)
-    return _input_grad(dh, dv, torch.cat([wq, wk, wv])), weight_grad(dh, x, dv)
+    return _input_grad(dh, dv, w), weight_grad(dh, x, dv)
 
 
 def _input_grad(dh: torch.Tensor, dv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -185,22 +179,19 @@ def _input_grad(dh: torch.Tensor, dv: torch.Tensor, w: torch.Tensor) -> torch.Te
 
 
 @qkv_rope_norm_bwd.register_fake
-def _(dq, dk, dv, x, wq, wk, wv, cos, sin, q, k, rstd):
-    return x.new_empty(x.shape), wq.new_empty(wq.shape[0] + wk.shape[0] + wv.shape[0], wq.shape[1])
+def _(dq, dk, dv, x, w, cos, sin, q, k, rstd):
+    return x.new_empty(x.shape), w.new_empty(w.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    x, wq, wk, wv, cos, sin = inputs
+    x, w, _, _, cos, sin = inputs
     q, k, _, rstd = output
-    ctx.save_for_backward(x, wq, wk, wv, cos, sin, q, k, rstd)
+    ctx.save_for_backward(x, w, cos, sin, q, k, rstd)
 
 
 def _backward(ctx, dq, dk, dv, drstd):
     # rstd is an output only so that the backward can keep it; nothing downstream differentiates it.
-    x, wq, wk, wv, cos, sin, q, k, rstd = ctx.saved_tensors
-    dx, dw = qkv_rope_norm_bwd(dq, dk, dv, x, wq, wk, wv, cos, sin, q, k, rstd)
-    nq, nk = wq.shape[0], wk.shape[0]
-    return dx, dw[:nq], dw[nq : nq + nk], dw[nq + nk :], None, None
+    return *qkv_rope_norm_bwd(dq, dk, dv, *ctx.saved_tensors), None, None, None, None
 
 
 qkv_rope_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -223,5 +214,7 @@ def qkv_rope_norm(x, wq, wk, wv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, 
             f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, wv {tuple(wv.shape)}: not whole heads of {head_dim}"
         )
     angles = (t.to(wide(x.dtype)).contiguous() for t in (cos, sin))
-    q, k, v, _ = qkv_rope_norm_fwd(x.contiguous(), *(w.to(x.dtype) for w in (wq, wk, wv)), *angles)
+    # Stacked and cast once (one kernel when compiled): the backward's products read the stack as it is.
+    w = torch.cat([wq, wk, wv]).to(x.dtype)
+    q, k, v, _ = qkv_rope_norm_fwd(x.contiguous(), w, wq.shape[0], wk.shape[0], *angles)
     return q, k, v

@@ -116,12 +116,13 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
 
     def forward(self, x):
-        """The MLP of rms_norm(x) (the fused operator never writes the normalised x out)."""
+        """x + the MLP of rms_norm(x) (the fused operator never writes the normalised x out, and adds x in
+        its last product's epilogue)."""
         if self.fused and hopper_kernels_run_on(x):
             from kernels.mlp import relu2_mlp
 
             return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)
-        return self.c_proj(F.relu(self.c_fc(rms_norm(x))).square())
+        return x + self.c_proj(F.relu(self.c_fc(rms_norm(x))).square())
 
 
 def hopper_kernels_run_on(x: torch.Tensor, head_dim: int | None = None) -> bool:
@@ -151,7 +152,7 @@ class Block(nn.Module):
 
     def forward(self, x, rotary, attention, ctx):
         x = self.attn(rms_norm(x), x, rotary, attention, ctx)  # x + attention
-        return x + self.mlp(x)
+        return self.mlp(x)  # x + MLP
 
 
 def layer_windows(pattern: str, short_window: int, n_layer: int) -> list[int]:

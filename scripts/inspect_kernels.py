@@ -4,8 +4,8 @@ without a GPU, and report what the compiler made of them.
     python scripts/inspect_kernels.py [--head-dim 128] [--arch 90] [--kernels ...] [--dump DIR]
 
 For each attention kernel and length class of `block_config`, and for the Gluon products (Hopper only:
-kernels/gemm_hopper.py's MLP `relu2` and `relu2_grad`, attention's `rope_norm`, the `residual` projection and
-the plain `joined` product; kernels/wgrad_hopper.py's `wgrad`):
+kernels/gemm_hopper.py's MLP `relu2` and `relu2_grad`, attention's `rope_norm`, the `residual` projection, the
+MLP's output with its residual `mlp_out` and the plain `joined` product; kernels/wgrad_hopper.py's `wgrad`):
 shared memory, registers and spill bytes (from the ptxas that ships with triton), the tensor-core
 instructions (wgmma) and the waits for them (`wait 0` lets no product run on past it, `wait n` leaves n
 groups in flight: only those can overlap the exponentials), and
@@ -52,12 +52,14 @@ KERNELS = {
     "dkdv": fa._bwd_dkdv_kernel,
     "dq_stored": fa._bwd_dq_stored_kernel,
 }
+# Each product's epilogue, and whether it reads its weights as stored, [K, N] (`matmul`, `joined_matmul`).
 GEMM_KERNELS = {
-    "relu2": gh.RELU2,
-    "relu2_grad": gh.RELU2_GRAD,
-    "rope_norm": gh.ROPE_NORM,
-    "residual": gh.RESIDUAL,
-    "joined": gh.PLAIN,
+    "relu2": (gh.RELU2, False),
+    "relu2_grad": (gh.RELU2_GRAD, False),
+    "rope_norm": (gh.ROPE_NORM, False),
+    "residual": (gh.RESIDUAL, False),
+    "mlp_out": (gh.RESIDUAL, True),
+    "joined": (gh.PLAIN, True),
 }
 # The products of Hopper alone, each by its inspector: gemm_hopper's epilogues and wgrad_hopper's.
 HOPPER_PRODUCTS = [*GEMM_KERNELS, "wgrad"]
@@ -262,9 +264,7 @@ def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    epilogue = GEMM_KERNELS[kernel]
-    # The plain products read their weights as stored, [K, N] (see `matmul`, `joined_matmul`).
-    b_kn = epilogue == gh.PLAIN
+    epilogue, b_kn = GEMM_KERNELS[kernel]
 
     def descriptor(name):
         b = [gh.BK, gh.BN] if b_kn else [gh.BN, gh.BK]

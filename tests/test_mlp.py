@@ -1,6 +1,6 @@
-"""The pre-norm ReLU^2 MLP operator (kernels/mlp.py): its autograd against float64 autograd of the plain
-formula (F.rms_norm, then the products), through torch.compile, its 1/rms kernel in Triton's interpreter, and
-(on Hopper) its Gluon products at training sizes."""
+"""The pre-norm ReLU^2 MLP operator with its residual (kernels/mlp.py): its autograd against float64 autograd
+of the plain formula (F.rms_norm, then the products, plus x), through torch.compile, its 1/rms kernel in
+Triton's interpreter, and (on Hopper) its Gluon products at training sizes."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 
 
 def plain_mlp(x, w1, w2):
-    return F.relu(F.rms_norm(x, (x.shape[1],), eps=RMS_EPS) @ w1.t()).square() @ w2.t()
+    return x + F.relu(F.rms_norm(x, (x.shape[1],), eps=RMS_EPS) @ w1.t()).square() @ w2.t()
 
 
 def inputs(T, C, H, dtype, device="cpu", seed=0):
@@ -87,6 +87,14 @@ def test_rejects_mismatched_shapes():
         relu2_mlp(x, w1, w2.t())
 
 
+def test_product_rejects_a_residual_of_another_shape():
+    from kernels.gemm_hopper import matmul
+
+    a, b = torch.zeros(8, 64), torch.zeros(64, 16)
+    with pytest.raises(ValueError, match=r"r \(8, 17\): expected \[8, 16\]"):
+        matmul(a, b, torch.zeros(8, 17))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -111,9 +119,11 @@ def test_gluon_products_match_float64(shape, dtype):
         ref_dh = (g.double() @ w2.double()) * 2 * a.double().sqrt() * scale
         assert rel_err(dh, ref_dh) < 4e-3
         assert (dh[a == 0] == 0).all()  # where relu(h) = 0, so is the gradient
-        # The products over the hidden width that follow them: plain, with the weight as stored ([K, N]).
-        out = matmul(a, w2.t().contiguous())
-        assert out.dtype == dtype and rel_err(out, a.double() @ w2.double().t()) < 4e-3
+        # The products over the hidden width that follow them, with the weight as stored ([K, N]): the
+        # residual's x added in the epilogue, and plain.
+        out = matmul(a, w2.t().contiguous(), x)
+        ref_out = x.double() + a.double() @ w2.double().t()
+        assert out.dtype == dtype and rel_err(out, ref_out) < 4e-3
         u = matmul(dh, w1)
         assert rel_err(u, dh.double() @ w1.double()) < 4e-3
 
