@@ -392,7 +392,9 @@ def joined_matmul(a1: torch.Tensor, a2: torch.Tensor, b: torch.Tensor) -> torch.
     return _kn_product(a1, a2, b, None)
 
 
-def _kn_product(a1: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, r: torch.Tensor | None):
+def _kn_product(
+    a1: torch.Tensor, a2: torch.Tensor | None, b: torch.Tensor, r: torch.Tensor | None
+) -> torch.Tensor:
     """[a1 | a2] b (a1 b without a2), plus r where given; shapes checked by the caller."""
     M, K, N = a1.shape[0], b.shape[0], b.shape[1]
     c = a1.new_empty(M, N)

@@ -10,8 +10,8 @@ that was never kept. With that dh, dh^T x is W1's gradient and u = dh W1 is r ti
 gradient, from which the norm's backward is dx = g + u - x r^2 mean(u x) (g from the residual). The products
 over the hidden width, x + a W2^T and dh W1, are the same Gluon GEMM, the first adding x in its epilogue
 (`_product`): the stream's add then costs no pass of its own, and the norm that follows (the next block's)
-reads one tensor instead of two. The weight gradients run
-kernels/wgrad_hopper.py where that beats cuBLAS (its `preferred`: d20's widths at full batch), else cuBLAS.
+reads one tensor instead of two. The weight gradients run kernels/wgrad_hopper.py where that beats cuBLAS
+(its `preferred`: d20's widths at full batch), else cuBLAS.
 Elsewhere the operators run the same formulas in PyTorch (`reference_*`).
 The operators take W2 transposed ([H, C], row-major), so that both fused products read their weight in
 nn.Linear's layout; `relu2_mlp` makes that copy (cast and transpose in one compiled kernel when traced).
