@@ -214,7 +214,8 @@ def qkv_rope_norm(x, wq, wk, wv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, 
             f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, wv {tuple(wv.shape)}: not whole heads of {head_dim}"
         )
     angles = (t.to(wide(x.dtype)).contiguous() for t in (cos, sin))
-    # Stacked and cast once (one kernel when compiled): the backward's products read the stack as it is.
-    w = torch.cat([wq, wk, wv]).to(x.dtype)
+    # Cast and stacked once (one kernel when compiled; cast first, so that eager makes no fp32 stack): the
+    # backward's products read the stack as it is.
+    w = torch.cat([w.to(x.dtype) for w in (wq, wk, wv)])
     q, k, v, _ = qkv_rope_norm_fwd(x.contiguous(), w, wq.shape[0], wk.shape[0], *angles)
     return q, k, v
