@@ -96,6 +96,10 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = True
+    # Bitwise-reproducible training: two runs of one config, or a run killed and resumed, give identical
+    # losses and weights (torch's deterministic algorithms, inductor without benchmark-picked kernels,
+    # a fixed cuBLAS workspace). README "Reproducibility" gives its measured cost.
+    deterministic: bool = True
     attention: str = "auto"  # auto | triton | reference | flex | torch_varlen | sdpa_packed
 
 

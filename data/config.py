@@ -41,7 +41,7 @@ def check_config(cfg) -> None:
         raise DataError(f"data.num_workers={cfg.num_workers} must be 0 (one per CPU) or more")
     if cfg.max_docs is not None and cfg.max_docs < 1:
         raise DataError(f"data.max_docs={cfg.max_docs} must be at least 1 (or null for all documents)")
-    if not 0 <= cfg.val_fraction < 1:
-        raise DataError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1)")
+    if not 0 < cfg.val_fraction < 1:
+        raise DataError(f"data.val_fraction={cfg.val_fraction} must be in (0, 1): every evaluation needs it")
     if cfg.tokenizer == "bpe" and cfg.vocab_size < 257:
         raise DataError(f"data.vocab_size={cfg.vocab_size} must be at least 257 (256 bytes + <|bos|>)")

@@ -46,12 +46,7 @@ class PackedLoader:
             raise DataError(f"split={split!r} must be one of {', '.join(prepared.shards)}")
         if not 0 <= rank < world_size:
             raise DataError(f"rank={rank} must be in [0, world_size={world_size})")
-        self.docs = Documents.from_shards(prepared.shards[split])
-        if not len(self.docs):
-            raise DataError(
-                f"the {split} split of {prepared.folder} holds no documents: "
-                f"raise data.val_fraction (now {prepared.manifest['val_fraction']}) or use more data"
-            )
+        self.docs = Documents.from_shards(prepared.shards[split])  # never empty: prepare() checks
         self.T, self.S, self.N = cfg.tokens_per_micro_batch, cfg.max_seqlen, cfg.max_num_docs
         self.bos, self.rank, self.world_size, self.prefetch = prepared.bos_id, rank, world_size, cfg.prefetch
         self.device = torch.device(device or "cpu")

@@ -86,6 +86,7 @@ def prepare(cfg, build: bool = True, verify: bool | None = None) -> Prepared:
         prepared = _load(folder, verify=build and cfg.verify if verify is None else verify)
         if build:
             print(f"data: {folder} is up to date ({_summary(prepared.manifest)})", flush=True)
+        _check_splits(cfg, prepared)
         return prepared
     if not build:
         raise DataError(
@@ -97,7 +98,24 @@ def prepare(cfg, build: bool = True, verify: bool | None = None) -> Prepared:
     why = f"the inputs changed since {', '.join(older)} (files, column or settings)" if older else "first use"
     print(f"data: preparing {folder} ({why})", flush=True)
     _build(cfg, source, folder, {"key": key, **inputs})
-    return _load(folder, verify=False)
+    prepared = _load(folder, verify=False)
+    _check_splits(cfg, prepared)
+    return prepared
+
+
+def _check_splits(cfg, prepared: Prepared) -> None:
+    """Both splits must hold documents: training needs the one, every evaluation the other. Checked
+    when the shards are prepared or opened, so it stops a run before any training."""
+    counts = prepared.manifest["counts"]
+    for split in SPLITS:
+        if counts[f"{split}_docs"] == 0:
+            total = sum(counts[f"{s}_docs"] for s in SPLITS)
+            fix = "raise" if split == "val" else "lower"
+            raise DataError(
+                f"the {split} split of {prepared.folder} holds no documents (of {total} in all; documents "
+                f"are split whole, by a hash of their id): {fix} data.val_fraction (now {cfg.val_fraction}) "
+                "or use more documents"
+            )
 
 
 def _tokenizer_spec(cfg) -> dict:

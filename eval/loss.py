@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from model.dist import DistInfo, mean_over_ranks
+from run.dist import DistInfo, mean_over_ranks
 
 
 def token_bytes(tokenizer, vocab_size: int) -> torch.Tensor:

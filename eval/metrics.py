@@ -10,6 +10,7 @@ the convention of flash-attn's benchmarks. MFU divides FLOPs per second by the d
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,6 +41,10 @@ def visible_pairs(cu_seqlens: torch.Tensor, window: int) -> torch.Tensor:
 def attention_flops(cu_seqlens: torch.Tensor, windows: list[int], n_head: int, head_dim: int) -> torch.Tensor:
     pairs = sum(visible_pairs(cu_seqlens, w) for w in windows)
     return 3.5 * 4 * head_dim * n_head * pairs
+
+
+class MetricsLogError(ValueError):
+    """metrics.jsonl holds something no crash leaves behind; the message names the line."""
 
 
 class RunLogger:
@@ -82,16 +87,37 @@ class RunLogger:
         return self.wandb_run.id if self.wandb_run else None
 
     def _truncate(self, resume_step: int) -> None:
+        """Cut the log back to `resume_step`, in place (no temporary copy: it works on a full disk).
+
+        A torn line (a crash or a full disk mid-write) can only be the last one; it is dropped with a
+        warning. Steps are in order, so the kept records are a prefix of the file.
+        """
         if not self.path.exists():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= resume_step
-        ]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        keep = 0  # bytes of the prefix kept
+        with open(self.path, "rb") as f:
+            lines = f.read().splitlines(keepends=True)
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line) if line.endswith(b"\n") else None
+            except ValueError:
+                record = None
+            if record is None:
+                if number == len(lines):
+                    warnings.warn(
+                        f"{self.path}: line {number} is torn (the run stopped while writing it); dropped",
+                        stacklevel=2,
+                    )
+                    break
+                raise MetricsLogError(
+                    f"{self.path}: line {number} of {len(lines)} is not a JSON record; "
+                    "fix or remove it, or use a new run_dir"
+                )
+            if record["step"] > resume_step:
+                break
+            keep += len(line)
+        if keep < self.path.stat().st_size:
+            os.truncate(self.path, keep)
 
     def log(self, record: dict) -> None:
         if not self.enabled:

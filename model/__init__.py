@@ -1,1 +1,1 @@
-"""The GPT, its attention backends, its optimisers, and the checkpoint/distributed machinery of a run."""
+"""The GPT, its attention backends and its optimisers."""

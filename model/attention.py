@@ -12,6 +12,8 @@ A backend is used in two steps: `prepare` once per forward (work shared by all l
 plans, FlexAttention's block masks), then `attend` in every layer.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +25,18 @@ BACKENDS = ("triton", "reference", "flex", "torch_varlen", "sdpa_packed")
 
 def default_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "reference"
+
+
+def check_backend(name: str, device: torch.device) -> None:
+    """Refuse, at start-up, a backend that cannot run on `device`."""
+    if device.type == "cuda" or name in ("reference", "sdpa_packed"):
+        return
+    if name == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        return  # Triton's CPU interpreter: slow, for tests
+    raise ConfigError(
+        f"attention={name} needs a CUDA device, and this run is on {device.type}: "
+        "use attention=auto (reference on CPU) or attention=reference"
+    )
 
 
 class Attention:

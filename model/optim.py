@@ -65,6 +65,9 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_add_(params, list(update.unbind(0)), alpha=-group["lr"] * scale)
 
 
+OPTIMIZERS = ("muon", "adamw")
+
+
 def build_optimizers(model: GPT, cfg) -> list[torch.optim.Optimizer]:
     """The optimisers of a run; each param group remembers its base lr as `initial_lr`."""
     adam = dict(betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)

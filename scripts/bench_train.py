@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from configs.schema import register_configs  # noqa: E402
 from data import PackedLoader, prepare  # noqa: E402
 from eval.metrics import peak_flops  # noqa: E402
-from model.dist import init_distributed  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from model.optim import build_optimizers  # noqa: E402
+from run.determinism import configure_determinism  # noqa: E402
+from run.dist import init_distributed  # noqa: E402
 from train import check_config, train_step  # noqa: E402
 
 register_configs()
@@ -129,6 +130,7 @@ def release_memory() -> None:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg) -> None:
+    configure_determinism(cfg.deterministic)
     info = init_distributed(cfg.device)
     check_config(cfg, info)
     models = [str(m) for m in cfg.get("models", ["d12", "d20"])]
@@ -149,6 +151,7 @@ def main(cfg) -> None:
     env = {
         "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "deterministic": cfg.deterministic,
         "tokens_per_micro_batch": cfg.data.tokens_per_micro_batch,
         "total_batch_tokens": cfg.total_batch_tokens,
         "max_seqlen": cfg.data.max_seqlen,

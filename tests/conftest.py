@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -10,3 +11,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # (torch._dynamo included) imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A tiny jsonl corpus and a data cache shared by the tests that run train.py."""
+    from train_helpers import write_corpus
+
+    root = tmp_path_factory.mktemp("corpus")
+    return write_corpus(root / "docs.jsonl"), root / "cache"
+
+
+@pytest.fixture(scope="session")
+def stdlib_cache(tmp_path_factory):
+    """One data cache for the tests that run train.py on its default source (tokenized once)."""
+    return tmp_path_factory.mktemp("stdlib_cache")

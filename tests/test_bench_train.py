@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from omegaconf import OmegaConf
-from test_train import ROOT, write_corpus
+from train_helpers import ROOT, write_corpus
 
 from configs.schema import ModelConfig
 from model.gpt import GPTShape

@@ -388,6 +388,7 @@ def test_bad_sources_fail_clearly_and_leave_nothing_behind(tmp_path, case, messa
         ({"max_seqlen": 256}, "data.max_seqlen=256 must not exceed data.tokens_per_micro_batch=128"),
         ({"max_seqlen": 64, "max_num_docs": 2}, "data.max_num_docs=2 is too small.*at least 3"),
         ({"val_fraction": 1.0}, "data.val_fraction"),
+        ({"val_fraction": 0.0}, r"data.val_fraction=0.0 must be in \(0, 1\)"),
         ({"vocab_size": 100}, "data.vocab_size=100"),
         ({"tokenizer": "no_such_encoding"}, "neither 'bpe' nor a tiktoken encoding"),
     ],
@@ -411,9 +412,11 @@ def test_missing_split_or_unprepared_data_is_an_error(data_corpus, data_prepared
     cfg, prepared, _ = data_prepared
     with pytest.raises(DataError, match="no prepared data.*prepare_data.py"):
         prepare(replace(cfg, cache_dir=str(tmp_path)), build=False)
-    no_val = prepare(replace(cfg, val_fraction=0.0, cache_dir=str(tmp_path)))
-    with pytest.raises(DataError, match="val split .* holds no documents.*val_fraction"):
-        PackedLoader(no_val, cfg, split="val")
+    # Prepared (and so, the next time, opened) with no validation document: an error before any training.
+    no_val = replace(cfg, val_fraction=1e-9, cache_dir=str(tmp_path))
+    for _ in range(2):
+        with pytest.raises(DataError, match="val split .* holds no documents.*val_fraction"):
+            prepare(no_val)
     with pytest.raises(DataError, match="rank=2"):
         PackedLoader(prepared, cfg, rank=2, world_size=2)
 

@@ -88,6 +88,24 @@ def gather_objects(obj, info: DistInfo) -> list:
     return out
 
 
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """True on every rank when `flag` is true on any rank."""
+    if not info.enabled:
+        return flag
+    value = torch.tensor([float(flag)], device=info.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def broadcast_object(obj, info: DistInfo):
+    """Rank 0's `obj` on every rank."""
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def mean_over_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.enabled:
         value = value.clone()

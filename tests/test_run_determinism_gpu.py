@@ -1,0 +1,45 @@
+"""deterministic=true on the GPU at real sizes: d12, 65,536-token micro-batches, two micro-steps per
+step, Muon, compiled, our kernels. Two runs give the same bits, and a run killed by SIGKILL and resumed
+gives the uninterrupted run's bits."""
+
+import signal
+
+import pytest
+import torch
+from train_helpers import assert_same_run, logged_steps, run_train, start_train, wait_for
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def d12_run(run_dir, cache) -> list[str]:
+    return [
+        f"run_dir={run_dir}",
+        f"data.cache_dir={cache}",
+        "model=d12",
+        "data.vocab_size=8192",
+        "data.tokens_per_micro_batch=65536",
+        "data.max_seqlen=2048",
+        "data.max_num_docs=128",
+        "total_batch_tokens=131072",
+        "max_steps=20",
+        "save_every=10",
+        "eval_every=20",
+        "eval_tokens=65536",
+        "sample_every=20",
+        "deterministic=true",
+    ]
+
+
+def test_d12_runs_are_bitwise_identical_and_resume_exactly(tmp_path):
+    cache = tmp_path / "cache"
+    a, b, killed = tmp_path / "a", tmp_path / "b", tmp_path / "killed"
+    run_train(d12_run(a, cache))
+    run_train(d12_run(b, cache))
+    assert_same_run(b, a, 20)
+
+    proc = start_train(d12_run(killed, cache), tmp_path / "killed.log")
+    wait_for(lambda: logged_steps(killed) >= 14, proc, "step 14")  # after the checkpoint of step 10
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run_train(d12_run(killed, cache))
+    assert_same_run(killed, a, 20)
