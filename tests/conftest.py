@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A tiny jsonl corpus and a data cache shared by the tests that run train.py."""
-    from train_helpers import write_corpus
+    from tests.train_helpers import write_corpus
 
     root = tmp_path_factory.mktemp("corpus")
     return write_corpus(root / "docs.jsonl"), root / "cache"

@@ -1,13 +1,14 @@
 """train.py end to end, in subprocesses: the default run, torchrun with two ranks, wandb offline, and bad
 configs. Models and data are tiny; compile is off except where tested. Faults and resumes are in
-test_run_safety.py."""
+tests/run/test_faults.py."""
 
 import os
 import subprocess
 import sys
 
 import pytest
-from train_helpers import metrics, run_train, small_run
+
+from tests.train_helpers import metrics, run_train, small_run
 
 
 def test_default_run_learns_evaluates_samples_and_saves(tmp_path, stdlib_cache):

@@ -231,7 +231,7 @@ def test_batches_have_the_documented_format_and_cover_the_split(data_prepared):
             assert (tgt >= 0).all() and torch.equal(tgt[:-1], ids[1:]), "targets are the next tokens"
             assert bos not in ids[1:].tolist(), "a segment never spans two documents"
             seen.append(ids)
-    # Every token of the split exactly once (order inside documents: tests/test_data_packing.py).
+    # Every token of the split exactly once (order inside documents: tests/data/test_packing.py).
     expected = np.concatenate([t[:-1] for t, _ in prepared.shards["train"]])
     got = torch.cat(seen).numpy()
     assert np.array_equal(

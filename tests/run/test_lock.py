@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from run.lock import NAME, RunLock, RunLocked
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.train_helpers import ROOT
 
 
 def hold_lock_in_another_process(run_dir: Path) -> subprocess.Popen:
@@ -19,6 +18,8 @@ def hold_lock_in_another_process(run_dir: Path) -> subprocess.Popen:
 import sys, time
 sys.path.insert(0, {str(ROOT)!r})
 from run.lock import RunLock
+
+from tests.train_helpers import ROOT
 lock = RunLock({str(run_dir)!r}); lock.acquire()
 print("locked", flush=True)
 time.sleep(600)

@@ -1,7 +1,7 @@
 """Varlen FlashAttention kernels on CPU, in Triton's interpreter, against a float64 reference.
 
 kernels.flash_attn switches the interpreter on when there is no CUDA; on a GPU machine these tests are
-skipped (tests/test_kernels_gpu.py covers the compiled kernels) unless TRITON_INTERPRET=1 is set.
+skipped (test_attention_gpu.py covers the compiled kernels) unless TRITON_INTERPRET=1 is set.
 The interpreter's bf16 tl.dot is broken, so inputs here are float16 and float32. The interpreter uses
 small, unequal blocks (block_config), so these buffers of a few hundred tokens cross many block edges.
 """
@@ -14,7 +14,7 @@ import torch
 from kernels import attention_masked, attention_reference, flash_attn, flash_attn_plan, flash_attn_varlen
 from kernels.op import flash_attn_varlen_fwd
 
-pytestmark = pytest.mark.skipif(not flash_attn.INTERPRET, reason="GPU build: see test_kernels_gpu.py")
+pytestmark = pytest.mark.skipif(not flash_attn.INTERPRET, reason="GPU build: see test_attention_gpu.py")
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}  # relative L2 error against float64
 

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 from omegaconf import OmegaConf
-from train_helpers import ROOT, write_corpus
 
 from configs.schema import ModelConfig
 from model.gpt import GPTShape
+from tests.train_helpers import ROOT, write_corpus
 
 pytestmark = pytest.mark.slow
 

@@ -5,11 +5,11 @@ H100/H200 SM and keep the inner loops fed by asynchronous copies, which the inte
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.train_helpers import ROOT
+
 HOPPER_SHARED_BYTES = 232448  # most shared memory one block may use on sm_90
 
 

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import (
+
+from tests.train_helpers import (
     ROOT,
     assert_same_run,
     logged_steps,
@@ -176,7 +177,7 @@ def test_sigkill_at_many_points_resumes_bitwise_compiled(tmp_path, corpus, tmp_p
 
 
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus):
-    """In a real run; tests/test_run_checkpoint.py damages checkpoints in every other way."""
+    """In a real run; tests/run/test_checkpoint.py damages checkpoints in every other way."""
     run_dir = tmp_path / "run"
     fixed_lr = ("optim.warmdown_ratio=0", "keep_last=3")  # max_steps changes below, the schedule must not
     run_train(small_run(corpus, run_dir, "max_steps=24", *fixed_lr))

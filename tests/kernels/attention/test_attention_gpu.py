@@ -1,6 +1,6 @@
 """Varlen FlashAttention kernels on the GPU at realistic sizes (65,536 tokens, 16 heads), in bf16.
 
-Run on a CUDA machine: python -m pytest -m gpu tests/test_kernels_gpu.py
+Run on a CUDA machine: python -m pytest -m gpu tests/kernels/attention/test_attention_gpu.py
 """
 
 import pytest

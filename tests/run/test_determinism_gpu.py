@@ -6,7 +6,8 @@ import signal
 
 import pytest
 import torch
-from train_helpers import assert_same_run, logged_steps, run_train, start_train, wait_for
+
+from tests.train_helpers import assert_same_run, logged_steps, run_train, start_train, wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -7,7 +7,6 @@ import subprocess
 
 import pytest
 import torch
-from train_helpers import mount_tmpfs
 
 from run.checkpoint import (
     MANIFEST,
@@ -19,6 +18,7 @@ from run.checkpoint import (
     check_resume,
     load,
 )
+from tests.train_helpers import mount_tmpfs
 
 ABOUT = {
     "config": {"model": {"depth": 2}, "optim": {"name": "muon"}, "data": {}, "seed": 1},

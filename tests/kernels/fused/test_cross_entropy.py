@@ -1,7 +1,7 @@
 """The fused soft-capped cross-entropy kernel (kernels/cross_entropy.py) against float64 autograd.
 
 Without CUDA it runs in Triton's interpreter; the kernel has no tl.dot, so bf16 works there too. The
-GPU build of the same kernel is checked at training sizes in tests/test_kernels_gpu.py.
+GPU build of the same kernel is checked at training sizes in tests/kernels/attention/test_attention_gpu.py.
 """
 
 import pytest
