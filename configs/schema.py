@@ -32,18 +32,18 @@ class ModelConfig:
     # term ([vocab, width]) lives to the end of the forward. At d12 on an H200, 8,192 peaked 1.5 GB lower
     # than 4,096, at the same speed.
     loss_chunk_tokens: int = 8192
-    # On Hopper, the MLP's first product and its gradient's run kernels/gemm_hopper.py, with the input's
-    # RMSNorm, ReLU^2 and its derivative in their epilogues (kernels/mlp.py); false (or another device) runs
-    # cuBLAS plus compiled elementwise kernels.
+    # On Hopper, the MLP's first product and its gradient's run kernels/fused/gemm_hopper.py, with the
+    # input's RMSNorm, ReLU^2 and its derivative in their epilogues (kernels/fused/mlp.py); false (or another
+    # device) runs cuBLAS plus compiled elementwise kernels.
     fused_mlp: bool = True
-    # On Hopper, queries, keys and values are one operator (kernels/rope_norm.py): q and k from one product
-    # of kernels/gemm_hopper.py with RoPE and QK-norm in its epilogue (head_dim dividing 256), and one
+    # On Hopper, queries, keys and values are one operator (kernels/fused/qkv.py): q and k from one product
+    # of kernels/fused/gemm_hopper.py with RoPE and QK-norm in its epilogue (head_dim dividing 256), and one
     # product each for the three's input and weight gradients; false (or another device) runs cuBLAS plus
     # compiled kernels.
     fused_rope_norm: bool = True
     # On Hopper, attention's output projection adds its product to the residual stream in the epilogue of
-    # kernels/gemm_hopper.py's product (kernels/residual.py); false (or another device) runs cuBLAS's
-    # addmm, which copies the stream first.
+    # kernels/fused/gemm_hopper.py's product (kernels/fused/residual.py); false (or another device) runs
+    # cuBLAS's addmm, which copies the stream first.
     fused_residual: bool = True
 
 

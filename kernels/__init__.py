@@ -1,17 +1,7 @@
-"""Varlen attention over a packed token buffer: the Triton kernel and its pure-PyTorch references.
+"""The GPU kernels: Triton, with Gluon passes on Hopper, each beside its PyTorch reference.
 
-`flash_attn_varlen` and `flash_attn_plan` are imported on first use, so that the references (the CPU
-path) work where Triton is not installed.
+- `kernels.attention`: the varlen FlashAttention over a packed token buffer.
+- `kernels.fused`: the model's fused operators (q/k/v with RoPE and norm, the MLP, the residual projection,
+  the soft-capped cross-entropy) and the Hopper matrix products under them.
+- `kernels.common`: what every Triton module shares (the switch to the CPU interpreter, base-2 constants).
 """
-
-from kernels.reference import attention_masked, attention_reference
-
-__all__ = ["flash_attn_varlen", "flash_attn_plan", "attention_masked", "attention_reference"]
-
-
-def __getattr__(name: str):
-    if name in ("flash_attn_varlen", "flash_attn_plan"):
-        from kernels import op
-
-        return getattr(op, name)
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

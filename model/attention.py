@@ -1,7 +1,7 @@
 """Attention backends. Every backend takes the same packed batch: q [T, H, D], k/v [T, H_kv, D] and the
 document boundaries `cu_seqlens` (int32 [N + 1], trailing zero-length documents allowed).
 
-- triton:       our varlen FlashAttention kernel (kernels/); the default on CUDA.
+- triton:       our varlen FlashAttention kernel (kernels/attention/); the default on CUDA.
 - reference:    pure PyTorch, one dense document mask; the default on CPU (O(T^2) memory).
 - flex:         FlexAttention with a document mask built from cu_seqlens.
 - torch_varlen: torch.nn.attention.varlen.varlen_attn (CUDA only).
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from configs.schema import ConfigError
-from kernels.reference import attention_masked
+from kernels.attention import attention_masked
 
 BACKENDS = ("triton", "reference", "flex", "torch_varlen", "sdpa_packed")
 
@@ -47,7 +47,7 @@ class Attention:
         self.windows = sorted(set(windows))  # left window sizes in use, -1 = unbounded
         self.head_dim = head_dim
         if name == "triton":
-            from kernels import flash_attn_plan, flash_attn_varlen
+            from kernels.attention import flash_attn_plan, flash_attn_varlen
 
             self._flash, self._plan = flash_attn_varlen, flash_attn_plan
 

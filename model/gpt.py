@@ -88,7 +88,7 @@ class CausalSelfAttention(nn.Module):
         """residual + the attention's output projected, for x = rms_norm(residual)."""
         T, s = x.shape[0], self.shape
         if self.fused_rope_norm and hopper_kernels_run_on(x, s.head_dim):
-            from kernels.rope_norm import qkv_rope_norm
+            from kernels.fused import qkv_rope_norm
 
             weights = self.c_q.weight, self.c_k.weight, self.c_v.weight
             q, k, v = qkv_rope_norm(x, *weights, rotary[0][:, 0], rotary[1][:, 0])
@@ -102,7 +102,7 @@ class CausalSelfAttention(nn.Module):
             v = self.c_v(x).view(T, s.n_kv_head, s.head_dim)
         y = attention.attend(q, k, v, ctx, self.window).reshape(T, -1)
         if self.fused_residual and hopper_kernels_run_on(residual):
-            from kernels.residual import residual_linear
+            from kernels.fused import residual_linear
 
             return residual_linear(residual, y, self.c_proj.weight)
         return residual + self.c_proj(y)
@@ -119,15 +119,15 @@ class MLP(nn.Module):
         """x + the MLP of rms_norm(x) (the fused operator never writes the normalised x out, and adds x in
         its last product's epilogue)."""
         if self.fused and hopper_kernels_run_on(x):
-            from kernels.mlp import relu2_mlp
+            from kernels.fused import relu2_mlp
 
             return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)
         return x + self.c_proj(F.relu(self.c_fc(rms_norm(x))).square())
 
 
 def hopper_kernels_run_on(x: torch.Tensor, head_dim: int | None = None) -> bool:
-    """Whether the fused products of kernels/gemm_hopper.py run on x: a Hopper GPU and a 16-bit x (under
-    autocast, the residual stream's dtype), and for the q/k product, heads of head_dim that it takes.
+    """Whether the fused products of kernels/fused/gemm_hopper.py run on x: a Hopper GPU and a 16-bit x
+    (under autocast, the residual stream's dtype), and for the q/k product, heads of head_dim that it takes.
     Decided while tracing, from the device, dtype and shape alone: gemm_hopper.supported also reads pointers
     for their alignment, which dynamo cannot trace; the operators check that at run time and fall back to
     PyTorch."""
@@ -139,7 +139,7 @@ def hopper_kernels_run_on(x: torch.Tensor, head_dim: int | None = None) -> bool:
         return False
     if head_dim is None:
         return True
-    from kernels.rope_norm import supported_head_dim
+    from kernels.fused import supported_head_dim
 
     return supported_head_dim(head_dim)
 
@@ -263,7 +263,7 @@ def chunk_losses(h, w, targets, cap: float):
 
 def fused_chunk_loss(logits, targets, scale, cap: float):
     """Losses and scaled gradient of a chunk in one Triton pass (imported here: CPU runs need no Triton)."""
-    from kernels.cross_entropy import softcap_cross_entropy
+    from kernels.fused import softcap_cross_entropy
 
     return softcap_cross_entropy(logits, targets, scale, cap)
 
@@ -274,8 +274,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     The logits of the whole buffer ([T, V]: 4.3 GB in bf16 at T=65,536, V=32,768) never exist at once: each
     chunk's gradient with respect to h and to the head weight is computed in the forward pass, right after
     its loss, and the backward only scales the stored gradients. On CUDA one Triton kernel per chunk
-    computes the losses and writes the logits' gradient in h's dtype (kernels/cross_entropy.py). Elsewhere
-    the same math runs compiled from PyTorch in two passes over the logits (log-sum-exp, then the
+    computes the losses and writes the logits' gradient in h's dtype (kernels/fused/cross_entropy.py).
+    Elsewhere the same math runs compiled from PyTorch in two passes over the logits (log-sum-exp, then the
     gradient), also without a [chunk, V] tensor in fp32.
     """
 

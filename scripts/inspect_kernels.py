@@ -4,8 +4,9 @@ without a GPU, and report what the compiler made of them.
     python scripts/inspect_kernels.py [--head-dim 128] [--arch 90] [--kernels ...] [--dump DIR]
 
 For each attention kernel and length class of `block_config`, and for the Gluon products (Hopper only:
-kernels/gemm_hopper.py's MLP `relu2` and `relu2_grad`, attention's `rope_norm`, the `residual` projection, the
-MLP's output with its residual `mlp_out` and the plain `joined` product; kernels/wgrad_hopper.py's `wgrad`):
+kernels/fused/gemm_hopper.py's MLP `relu2` and `relu2_grad`, attention's `rope_norm`, the `residual`
+projection, the MLP's output with its residual `mlp_out` and the plain `joined` product;
+kernels/fused/wgrad_hopper.py's `wgrad`):
 shared memory, registers and spill bytes (from the ptxas that ships with triton), the tensor-core
 instructions (wgmma) and the waits for them (`wait 0` lets no product run on past it, `wait n` leaves n
 groups in flight: only those can overlap the exponentials), and
@@ -40,17 +41,20 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import flash_attn as fa  # noqa: E402
-from kernels import flash_attn_hopper as fh  # noqa: E402
-from kernels import gemm_hopper as gh  # noqa: E402
+from kernels.attention import backward, block_sizes, forward, hopper, hopper_backward, hopper_forward, tiles  # noqa: E402
+from kernels.fused import gemm_hopper as gh  # noqa: E402
 
 # The classes with blocks.gluon run these warp-specialised Gluon kernels on Hopper instead.
-GLUON_KERNELS = {"fwd": fh._fwd_persistent_kernel, "dq": fh._dq_long_kernel, "dkdv": fh._dkdv_kernel}
+GLUON_KERNELS = {
+    "fwd": hopper_forward._fwd_persistent_kernel,
+    "dq": hopper_backward._dq_long_kernel,
+    "dkdv": hopper_backward._dkdv_kernel,
+}
 KERNELS = {
-    "fwd": fa._fwd_kernel,
-    "dq": fa._bwd_dq_kernel,
-    "dkdv": fa._bwd_dkdv_kernel,
-    "dq_stored": fa._bwd_dq_stored_kernel,
+    "fwd": forward._fwd_kernel,
+    "dq": backward._bwd_dq_kernel,
+    "dkdv": backward._bwd_dkdv_kernel,
+    "dq_stored": backward._bwd_dq_stored_kernel,
 }
 # Each product's epilogue, and whether it reads its weights as stored, [K, N] (`matmul`, `joined_matmul`).
 GEMM_KERNELS = {
@@ -70,12 +74,13 @@ BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 ALIGNED_INTS = {"T", "left", "right"}
 
 
-def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
-    """(signature, constexprs, attrs) of a launch like the one in kernels.flash_attn."""
-    block_d = fa._padded_dim(head_dim)
-    config = fa.block_config(head_dim)
+def signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks):
+    """(signature, constexprs, attrs) of a launch as kernels/attention/forward.py and backward.py make it."""
+    block_d = tiles.padded_dim(head_dim)
+    config = block_sizes.block_config(head_dim)
     store_blocks = config["dkdv"][0][1]
-    # As in fa._stored_longest: the first dK/dV class stores dS only where a dq_stored pass reads it back.
+    # As in kernels/attention/plan.py's _stored_longest: the first dK/dV class stores dS only where a
+    # dq_stored pass reads it back.
     stores = "dq_stored" in config and config["dkdv"][0][0] is not None
     # The forward and dQ pass stream key blocks (n rows); the dK/dV pass streams query blocks (m rows).
     desc_rows = blocks.m if kernel == "dkdv" else blocks.n
@@ -97,8 +102,8 @@ def signature(kernel: str, fn, head_dim: int, blocks: fa.Blocks):
     )
 
 
-def gluon_signature(kernel: str, fn, blocks: fa.Blocks):
-    """(signature, constexprs, attrs) of a launch of a Gluon kernel of kernels.flash_attn_hopper."""
+def gluon_signature(kernel: str, fn, blocks: block_sizes.Blocks):
+    """(signature, constexprs, attrs) of a launch of a Gluon kernel of kernels/attention/hopper_*.py."""
     from triton.experimental.gluon import language as gl
 
     def descriptor(name):
@@ -109,7 +114,7 @@ def gluon_signature(kernel: str, fn, blocks: fa.Blocks):
             rows = blocks.m if query_side else blocks.n // 2
         else:
             rows = blocks.m // 2 if query_side else blocks.n
-        shape = [1, 1, rows, 1, fh.HEAD_DIM]
+        shape = [1, 1, rows, 1, hopper.HEAD_DIM]
         return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
 
     return _signature(fn, dict(STAGES=blocks.stages, HAS_DLSE=False), descriptor)
@@ -214,15 +219,15 @@ def inner_loops(sass: str) -> list[dict]:
 
 
 def inspect_kernel(
-    kernel: str, head_dim: int, blocks: fa.Blocks, arch: int, dump: Path | None = None
+    kernel: str, head_dim: int, blocks: block_sizes.Blocks, arch: int, dump: Path | None = None
 ) -> dict:
-    if blocks.gluon and head_dim == fh.HEAD_DIM and arch == 90:
+    if blocks.gluon and head_dim == hopper.HEAD_DIM and arch == 90:
         from triton.experimental.gluon._runtime import GluonASTSource
 
         fn = GLUON_KERNELS[kernel]
         sig, constexprs, attrs = gluon_signature(kernel, fn, blocks)
         source = GluonASTSource(fn, sig, constexprs, attrs)
-        options = dict(num_warps=fh.WARPS, maxnreg=fh.MAX_REGISTERS)
+        options = dict(num_warps=hopper.WARPS, maxnreg=hopper.MAX_REGISTERS)
     else:
         fn = KERNELS[kernel]
         sig, constexprs, attrs = signature(kernel, fn, head_dim, blocks)
@@ -241,7 +246,7 @@ def inspect_kernel(
     return _report(kernel, blocks, compiled, arch)
 
 
-def _report(kernel: str, blocks: fa.Blocks, compiled, arch: int) -> dict:
+def _report(kernel: str, blocks: block_sizes.Blocks, compiled, arch: int) -> dict:
     ptx = compiled.asm["ptx"]
     waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)]
     return dict(
@@ -259,7 +264,7 @@ def _report(kernel: str, blocks: fa.Blocks, compiled, arch: int) -> dict:
 
 
 def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
-    """As inspect_kernel, for kernels/gemm_hopper.py's product with the epilogue `kernel` (bf16; the q/k
+    """As inspect_kernel, for kernels/fused/gemm_hopper.py's product with the epilogue `kernel` (bf16; the q/k
     product at head dim 128)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -293,16 +298,16 @@ def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
     source = GluonASTSource(fn, sig, constexprs, attrs)
     options = dict(num_warps=gh.WARPS, maxnreg=gh.MAX_REGISTERS)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    blocks = fa.Blocks(gh.BM, gh.BN, 2 * gh.WARPS, gh.STAGES, tma=True, gluon=True)
+    blocks = block_sizes.Blocks(gh.BM, gh.BN, 2 * gh.WARPS, gh.STAGES, tma=True, gluon=True)
     return _report(kernel, blocks, compiled, arch)
 
 
 def inspect_wgrad_kernel(arch: int) -> dict:
-    """As inspect_kernel, for kernels/wgrad_hopper.py's weight-gradient product (bf16)."""
+    """As inspect_kernel, for kernels/fused/wgrad_hopper.py's weight-gradient product (bf16)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import wgrad_hopper as wh
+    from kernels.fused import wgrad_hopper as wh
 
     def descriptor(name):
         shape = [wh.BK, wh.BM // 2] if name in ("g_desc", "g2_desc") else [wh.BK, wh.BN]
@@ -315,7 +320,10 @@ def inspect_wgrad_kernel(arch: int) -> dict:
         GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options
     )
     return _report(
-        "wgrad", fa.Blocks(wh.BM, wh.BN, 2 * wh.WARPS, wh.STAGES, tma=True, gluon=True), compiled, arch
+        "wgrad",
+        block_sizes.Blocks(wh.BM, wh.BN, 2 * wh.WARPS, wh.STAGES, tma=True, gluon=True),
+        compiled,
+        arch,
     )
 
 
@@ -340,7 +348,7 @@ def main():
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     args = parser.parse_args()
 
-    config = fa.block_config(args.head_dim)
+    config = block_sizes.block_config(args.head_dim)
     if not args.json:
         print(f"triton {triton.__version__}, sm_{args.arch}, head dim {args.head_dim}")
         print(

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def corpus(tmp_path_factory):
     """A tiny jsonl corpus and a data cache shared by the tests that run train.py."""
     from tests.train_helpers import write_corpus
@@ -22,7 +22,7 @@ def corpus(tmp_path_factory):
     return write_corpus(root / "docs.jsonl"), root / "cache"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def stdlib_cache(tmp_path_factory):
     """One data cache for the tests that run train.py on its default source (tokenized once)."""
     return tmp_path_factory.mktemp("stdlib_cache")

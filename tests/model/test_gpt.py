@@ -217,7 +217,7 @@ def test_compiled_model_has_no_graph_break_and_no_recompile(autocast):
 @pytest.mark.parametrize("fusion", ["fused_mlp", "fused_rope_norm", "fused_residual"])
 def test_compiled_model_with_fused_products_matches_the_unfused_one(fusion):
     """A compiled d4 GPT under bf16 autocast on a packed 16,384-token buffer: each of the fused products
-    (kernels/gemm_hopper.py) gives the unfused model's loss and gradients, with one graph."""
+    (kernels/fused/gemm_hopper.py) gives the unfused model's loss and gradients, with one graph."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     T, V = 16384, 4096

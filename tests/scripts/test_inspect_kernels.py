@@ -50,9 +50,9 @@ def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
 
 
 def test_fused_products_fit_hopper_without_spills():
-    """The Gluon products with fused epilogues (kernels/gemm_hopper.py): the MLP's two and attention's q/k
-    product; and the weight-gradient product (kernels/wgrad_hopper.py): warp-specialised, fed by TMA, no
-    spills."""
+    """The Gluon products with fused epilogues (kernels/fused/gemm_hopper.py): the MLP's two and attention's
+    q/k product; and the weight-gradient product (kernels/fused/wgrad_hopper.py): warp-specialised, fed by
+    TMA, no spills."""
     kernels = ["relu2", "relu2_grad", "rope_norm", "wgrad"]
     rows = inspect("--kernels", *kernels)
     assert [row["kernel"] for row in rows] == kernels

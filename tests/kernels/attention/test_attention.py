@@ -1,6 +1,6 @@
 """Varlen FlashAttention kernels on CPU, in Triton's interpreter, against a float64 reference.
 
-kernels.flash_attn switches the interpreter on when there is no CUDA; on a GPU machine these tests are
+kernels.common switches the interpreter on when there is no CUDA; on a GPU machine these tests are
 skipped (test_attention_gpu.py covers the compiled kernels) unless TRITON_INTERPRET=1 is set.
 The interpreter's bf16 tl.dot is broken, so inputs here are float16 and float32. The interpreter uses
 small, unequal blocks (block_config), so these buffers of a few hundred tokens cross many block edges.
@@ -11,10 +11,14 @@ import math
 import pytest
 import torch
 
-from kernels import attention_masked, attention_reference, flash_attn, flash_attn_plan, flash_attn_varlen
-from kernels.op import flash_attn_varlen_fwd
+from kernels.attention import attention_masked, attention_reference, flash_attn_plan, flash_attn_varlen
+from kernels.attention.block_sizes import block_config
+from kernels.attention.op import flash_attn_varlen_fwd
+from kernels.attention.plan import tile_table
+from kernels.attention.tiles import tma_descriptors
+from kernels.common import INTERPRET
 
-pytestmark = pytest.mark.skipif(not flash_attn.INTERPRET, reason="GPU build: see test_attention_gpu.py")
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="GPU build: see test_attention_gpu.py")
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}  # relative L2 error against float64
 
@@ -115,7 +119,7 @@ def test_tile_table_lists_each_block_once():
             (16, True, 40, None),
         ]
         for block, last_first, shortest, longest in tables:
-            table = flash_attn.tile_table(cu, n, block, last_first, shortest, longest)
+            table = tile_table(cu, n, block, last_first, shortest, longest)
             bound = math.ceil(n / block) + min(len(lengths), n // (shortest + 1))
             assert table.shape == (2, bound) and table.dtype == torch.int32
             # The tail (segment len(lengths)) belongs to the tables with shortest 0, whatever its length.
@@ -185,10 +189,10 @@ def test_unaligned_inputs_take_pointer_loads():
     heads, d = 2, 32
     flat = torch.randn(3 * T * heads * d + 1, dtype=torch.float16)
     q, k, v = (flat[1 + i * T * heads * d :][: T * heads * d].view(T, heads, d) for i in range(3))
-    tma_blocks = flash_attn.block_config(d)["fwd"][0][1]
+    tma_blocks = block_config(d)["fwd"][0][1]
     assert tma_blocks.tma
-    assert flash_attn._descriptors(tma_blocks, 16, d, q, k) == (None, None)
-    assert None not in flash_attn._descriptors(tma_blocks, 16, d, q.clone(), k.clone())
+    assert tma_descriptors(tma_blocks, 16, d, q, k) == (None, None)
+    assert None not in tma_descriptors(tma_blocks, 16, d, q.clone(), k.clone())
     cu = cu_from(MIXES["edges"])
     dout = torch.randn(T, heads, d)
     got = run_kernel(q, k, v, cu, (-1, 0), d**-0.5, dout)

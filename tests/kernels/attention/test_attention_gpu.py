@@ -6,13 +6,16 @@ Run on a CUDA machine: python -m pytest -m gpu tests/kernels/attention/test_atte
 import pytest
 import torch
 
-from kernels import attention_reference, flash_attn, flash_attn_hopper, flash_attn_plan, flash_attn_varlen
-from kernels.op import flash_attn_varlen_fwd
+from kernels.attention import attention_reference, flash_attn_plan, flash_attn_varlen, hopper
+from kernels.attention.backward import backward
+from kernels.attention.forward import forward
+from kernels.attention.op import flash_attn_varlen_fwd
+from kernels.common import INTERPRET
 from scripts.bench_attention import document_lengths
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or flash_attn.INTERPRET, reason="needs CUDA"),
+    pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA"),
 ]
 
 T = 65536
@@ -166,26 +169,6 @@ def test_compiled_model_has_no_graph_break_and_no_recompile():
     assert not counters["graph_break"]
 
 
-def test_fused_cross_entropy_at_training_size():
-    """One loss chunk of a d12 step: 8,192 tokens x 32,768 bf16 logits, against float64."""
-    from kernels.cross_entropy import softcap_cross_entropy
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    n, V = 8192, 32768
-    logits = (torch.randn(n, V, device="cuda", generator=gen) * 4).bfloat16()
-    targets = torch.randint(0, V, (n,), device="cuda", generator=gen)
-    targets[::7] = -1
-    scale = 1.0 / (targets >= 0).sum().double()
-    losses, grad = softcap_cross_entropy(logits, targets, scale.float(), 15.0)
-    z = logits.double().requires_grad_()
-    c = 15.0 * torch.tanh(z / 15.0)
-    picked = c.gather(1, targets.clamp_min(0)[:, None])[:, 0]
-    ref_losses = torch.where(targets >= 0, torch.logsumexp(c, 1) - picked, 0.0)
-    (scale * ref_losses.sum()).backward()
-    assert rel_err(losses, ref_losses) < 1e-5
-    assert rel_err(grad, z.grad) < 1e-2  # bf16 rounding of the written gradient
-
-
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper"
 )
@@ -199,15 +182,15 @@ def test_gluon_kernels_agree_with_triton_kernels(dtype, monkeypatch):
     q, k, v, cu = make_inputs(lengths, 16, 4, 128, dtype)
     cu = cu[:-1].contiguous()
     dout = torch.randn_like(q)
-    assert flash_attn_hopper.supported(q, k, v, dout)
+    assert hopper.supported(q, k, v, dout)
 
     def run():
-        out, lse = flash_attn.forward(q, k, v, cu, -1, 0, 128**-0.5)
-        return out, lse, *flash_attn.backward(dout, q, k, v, out, lse, None, cu, -1, 0, 128**-0.5)
+        out, lse = forward(q, k, v, cu, -1, 0, 128**-0.5)
+        return out, lse, *backward(dout, q, k, v, out, lse, None, cu, -1, 0, 128**-0.5)
 
     gluon, again = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(gluon, again, strict=True))
-    monkeypatch.setattr(flash_attn_hopper, "supported", lambda *tensors: False)
+    monkeypatch.setattr(hopper, "supported", lambda *tensors: False)
     triton_ = run()
     assert torch.equal(gluon[0], triton_[0]) and torch.equal(gluon[1], triton_[1])
     assert torch.equal(gluon[4], triton_[4])  # dV does not depend on delta

@@ -1,13 +1,13 @@
-"""The pre-norm ReLU^2 MLP operator with its residual (kernels/mlp.py): its autograd against float64 autograd
-of the plain formula (F.rms_norm, then the products, plus x), through torch.compile, its 1/rms kernel in
-Triton's interpreter, and (on Hopper) its Gluon products at training sizes."""
+"""The pre-norm ReLU^2 MLP operator with its residual (kernels/fused/mlp.py): its autograd against float64
+autograd of the plain formula (F.rms_norm, then the products, plus x), through torch.compile, its 1/rms kernel
+in Triton's interpreter, and (on Hopper) its Gluon products at training sizes."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fused import RMS_EPS
-from kernels.mlp import relu2_mlp, rstd_kernel
+from kernels.fused.mlp import relu2_mlp, rstd_kernel
+from kernels.fused.numerics import RMS_EPS
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -88,7 +88,7 @@ def test_rejects_mismatched_shapes():
 
 
 def test_product_rejects_a_residual_of_another_shape():
-    from kernels.gemm_hopper import matmul
+    from kernels.fused.gemm_hopper import matmul
 
     a, b = torch.zeros(8, 64), torch.zeros(64, 16)
     with pytest.raises(ValueError, match=r"r \(8, 17\): expected \[8, 16\]"):
@@ -105,7 +105,7 @@ def test_gluon_products_match_float64(shape, dtype):
     """The two fused products alone, with and without their rows scaled, and the plain products of their
     outputs, against float64 from the same 16-bit inputs: a d12 buffer, a d20 width, sizes that are not
     multiples of the tile (the TMA copies clip the edges), one token (sampling) and a single step of K."""
-    from kernels.gemm_hopper import matmul, relu2_grad_matmul, relu2_matmul
+    from kernels.fused.gemm_hopper import matmul, relu2_grad_matmul, relu2_matmul
 
     T, C, H = shape
     x, w1, w2 = inputs(T, C, H, dtype, "cuda")
@@ -133,8 +133,8 @@ def test_gluon_products_match_float64(shape, dtype):
 @pytest.mark.parametrize("C, stream_k", [(768, False), (1280, True)])
 def test_operator_on_hopper_matches_float64_autograd(C, stream_k):
     """The whole operator at a d12 and a d20 buffer in bf16, forward and backward, against float64 autograd;
-    d20's weight gradients take kernels/wgrad_hopper.py."""
-    from kernels import wgrad_hopper
+    d20's weight gradients take kernels/fused/wgrad_hopper.py."""
+    from kernels.fused import wgrad_hopper
 
     x, w1, w2 = inputs(65536, C, 4 * C, torch.bfloat16, "cuda")
     dout = torch.randn(65536, C, device="cuda", dtype=torch.bfloat16)

@@ -1,11 +1,11 @@
-"""The q/k/v operator with RoPE and QK-norm (kernels/rope_norm.py): its autograd against float64 autograd of
+"""The q/k/v operator with RoPE and QK-norm (kernels/fused/qkv.py): its autograd against float64 autograd of
 the model's own formula, its backward kernel, compile, and (on Hopper) the Gluon products: the forward's
 epilogue and the backward's input gradient from two operands."""
 
 import pytest
 import torch
 
-from kernels.rope_norm import qkv_rope_norm, reference_grad, rope_norm_grad
+from kernels.fused.qkv import qkv_rope_norm, reference_grad, rope_norm_grad
 from model.gpt import apply_rotary, rms_norm, rotary_tables
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -118,7 +118,7 @@ def test_rejects_partial_heads_and_mismatched_shapes():
 def test_gluon_product_matches_float64(shape, dtype):
     """The fused product alone against float64 from the same inputs, with its output rounded to 16 bits
     before the rotation as the kernel rounds it."""
-    from kernels.gemm_hopper import rope_norm_matmul
+    from kernels.fused.gemm_hopper import rope_norm_matmul
 
     T, C, Nq, Nk, head_dim = shape
     x, wq, wk, _, cos, sin = inputs(T, C, Nq, Nk, head_dim, dtype, "cuda")
@@ -150,7 +150,7 @@ def test_gluon_product_matches_float64(shape, dtype):
 def test_operator_on_hopper_matches_float64_autograd(C, Nq, Nk):
     """The whole operator at a 65,536-token buffer in bf16, forward and backward, against float64 autograd
     of the model's formula."""
-    from kernels import wgrad_hopper
+    from kernels.fused import wgrad_hopper
 
     T = 65536
     x, wq, wk, wv, cos, sin = inputs(T, C, Nq, Nk, 128, torch.bfloat16, "cuda")
@@ -164,7 +164,7 @@ def test_operator_on_hopper_matches_float64_autograd(C, Nq, Nk):
 
 
 def test_joined_product_rejects_a_split_inside_a_k_step():
-    from kernels.gemm_hopper import BK, joined_matmul
+    from kernels.fused.gemm_hopper import BK, joined_matmul
 
     a1, a2, b = torch.zeros(8, BK + 8), torch.zeros(8, 8), torch.zeros(BK + 16, 16)
     with pytest.raises(ValueError, match=f"K1 a multiple of {BK}"):
@@ -185,7 +185,7 @@ def test_joined_product_rejects_a_split_inside_a_k_step():
 )
 def test_joined_product_matches_float64(M, K1, K2, N, dtype):
     """[a1 | a2] b from two operands against float64 of the joined product."""
-    from kernels.gemm_hopper import joined_matmul
+    from kernels.fused.gemm_hopper import joined_matmul
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     a1, a2 = (torch.randn(M, k, device="cuda", generator=gen).to(dtype) for k in (K1, K2))

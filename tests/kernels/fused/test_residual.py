@@ -1,10 +1,10 @@
-"""The residual projection operator (kernels/residual.py): its autograd against float64 autograd of
+"""The residual projection operator (kernels/fused/residual.py): its autograd against float64 autograd of
 r + y W^T, through torch.compile, and (on Hopper) its Gluon product against float64."""
 
 import pytest
 import torch
 
-from kernels.residual import residual_linear
+from kernels.fused.residual import residual_linear
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -77,7 +77,7 @@ def test_rejects_mismatched_shapes():
 def test_gluon_product_matches_float64(shape, dtype):
     """The fused product alone against float64 from the same 16-bit inputs: d20 and d12 buffers, sizes
     that are not multiples of the tile, and one token."""
-    from kernels.gemm_hopper import residual_matmul
+    from kernels.fused.gemm_hopper import residual_matmul
 
     T, N, K = shape
     r, y, w = inputs(T, N, K, dtype, "cuda")

@@ -1,14 +1,14 @@
-"""The weight-gradient product g^T x (kernels/wgrad_hopper.py). Anywhere (Triton's interpreter without a GPU):
-its schedule covers every K-step of every tile once, with workspace slots of their own, and its reduction
-sums partial tiles (here computed with torch) into the product. On Hopper: the Gluon kernel against a float64
-product, at training sizes and ragged ones, and bitwise the same from run to run."""
+"""The weight-gradient product g^T x (kernels/fused/wgrad_hopper.py). Anywhere (Triton's interpreter without a
+GPU): its schedule covers every K-step of every tile once, with workspace slots of their own, and its
+reduction sums partial tiles (here computed with torch) into the product. On Hopper: the Gluon kernel against
+a float64 product, at training sizes and ragged ones, and bitwise the same from run to run."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from kernels import wgrad_hopper as wh
+from kernels.fused import wgrad_hopper as wh
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,8 +165,8 @@ def test_shape_errors_raise_before_cuda():
 
 
 def test_two_sources_on_cpu_take_one_product_each():
-    """kernels/fused.py's chooser off Hopper: [g | g2]^T x as two products, against float64."""
-    from kernels.fused import weight_grad
+    """kernels/fused/products.py's chooser off Hopper: [g | g2]^T x as two products, against float64."""
+    from kernels.fused.products import weight_grad
 
     gen = torch.Generator().manual_seed(0)
     g, g2, x = (torch.randn(50, n, generator=gen) for n in (24, 8, 12))

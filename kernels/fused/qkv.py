@@ -1,7 +1,7 @@
 """`qkv_rope_norm`: attention's queries, keys and values, q = rms_norm(rope(x Wq^T)) per head, k likewise and
 v = x Wv^T, as PyTorch custom operators with autograd.
 
-On Hopper the queries and keys come from one product (kernels/gemm_hopper.py) whose epilogue rotates and
+On Hopper the queries and keys come from one product (gemm_hopper.py) whose epilogue rotates and
 normalises each head of its output tile before the store: that product's output is never written, only q, k
 and each head's 1/rms. The values are cuBLAS's plain product: with no epilogue to fuse, the Gluon product
 measured no faster. Elsewhere the same formulas run in PyTorch (`reference_forward`). The product rounds to
@@ -16,18 +16,19 @@ Backward, per head with y = q (the output, kept for attention anyway), r its 1/r
 One Triton kernel writes dh of the queries' and the keys' heads into one [T, Nq + Nk] tensor (on CUDA;
 `reference_grad` elsewhere). The values' gradient dv joins it only inside the products that follow, which read
 the two tensors as one [T, Nq + Nk + Nv] operand without copying them together: on Hopper the input gradient
-is one product over K = Nq + Nk + Nv (kernels/gemm_hopper.py's `joined_matmul`), and the three weight
-gradients one [Nq + Nk + Nv, C] product by kernels/wgrad_hopper.py's stream-K kernel. At d20 (an H200, 65,536
+is one product over K = Nq + Nk + Nv (gemm_hopper.py's `joined_matmul`), and the three weight
+gradients one [Nq + Nk + Nv, C] product by wgrad_hopper.py's stream-K kernel. At d20 (an H200, 65,536
 tokens) the input gradient took 905-915 us against 930-940 for cuBLAS over a joined copy, and the copy itself
 ~85 us in this kernel. Before the values joined this operator, each gradient was two cuBLAS products (dW
 744 + 326 us, dx 625 + 339 us and the add of their outputs).
 """
 
-import torch  # noqa: I001 (kernels.flash_attn must come before triton)
+import torch  # noqa: I001 (kernels.common must come before triton)
 
-# Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
-from kernels.flash_attn import check_interpreter
-from kernels.fused import RMS_EPS, on_hopper_product, weight_grad, wide
+# Before triton: without CUDA it switches Triton to the interpreter (see kernels/common.py).
+from kernels.common import check_interpreter
+from kernels.fused.numerics import RMS_EPS, wide
+from kernels.fused.products import on_hopper_product, weight_grad
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -38,7 +39,7 @@ BWD_ROWS, BWD_WARPS = 32, 4
 
 def supported_head_dim(head_dim: int) -> bool:
     """Whether the fused product takes heads of head_dim: whole heads in each of its output tiles."""
-    from kernels import gemm_hopper
+    from kernels.fused import gemm_hopper
 
     return gemm_hopper.BN % head_dim == 0
 
@@ -131,7 +132,7 @@ def qkv_rope_norm_fwd(
     """(q, k, v, rstd) from the stacked weights w = [Wq; Wk; Wv] (Wq's rows nq, Wk's nk)."""
     wq, wk, wv = w[:nq], w[nq : nq + nk], w[nq + nk :]
     if on_hopper_product(x, wq, wk) and supported_head_dim(2 * cos.shape[1]):
-        from kernels.gemm_hopper import rope_norm_matmul
+        from kernels.fused.gemm_hopper import rope_norm_matmul
 
         q, k, rstd = rope_norm_matmul(x, wq, wk, cos, sin, 2 * cos.shape[1])
     else:
@@ -171,7 +172,7 @@ def qkv_rope_norm_bwd(
 def _input_grad(dh: torch.Tensor, dv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[dh | dv] w: one product on Hopper, two elsewhere."""
     if on_hopper_product(dh, dv, w):
-        from kernels import gemm_hopper
+        from kernels.fused import gemm_hopper
 
         if dh.shape[1] % gemm_hopper.BK == 0:
             return gemm_hopper.joined_matmul(dh, dv, w)

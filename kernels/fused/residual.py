@@ -3,20 +3,20 @@ PyTorch custom operator with autograd.
 
 Compiled from PyTorch, r + y W^T becomes cuBLAS's addmm, which first copies r into its output (a read and a
 write of the whole stream) and reads it back in its epilogue. On Hopper this operator runs
-kernels/gemm_hopper.py's product, whose epilogue reads r's tile and adds it: the copy is gone. Elsewhere it
+gemm_hopper.py's product, whose epilogue reads r's tile and adds it: the copy is gone. Elsewhere it
 runs torch.addmm. The backward is PyTorch's: dr = g, dy = g W, dW = g^T y.
 The operator has a fake implementation, so torch.compile traces through it without a graph break.
 """
 
 import torch
 
-from kernels.fused import on_hopper_product
+from kernels.fused.products import on_hopper_product
 
 
 @torch.library.custom_op("varlen_gpt::residual_linear", mutates_args=())
 def residual_linear_op(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if on_hopper_product(r, y, w):
-        from kernels.gemm_hopper import residual_matmul
+        from kernels.fused.gemm_hopper import residual_matmul
 
         return residual_matmul(r, y, w)
     return torch.addmm(r, y, w.t())

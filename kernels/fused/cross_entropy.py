@@ -17,12 +17,12 @@ most 1.5e-8 (of values up to 1.2e-4) against the accurate formulation. The inter
 there (and on ROCm) tanh comes from exp2 and a division.
 """
 
-from typing import NamedTuple  # noqa: I001 (kernels.flash_attn must come before triton)
+from typing import NamedTuple  # noqa: I001 (kernels.common must come before triton)
 
 import torch
 
-# Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
-from kernels.flash_attn import INTERPRET, LOG2E, check_interpreter
+# Before triton: without CUDA it switches Triton to the interpreter (see kernels/common.py).
+from kernels.common import INTERPRET, LOG2E, check_interpreter
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

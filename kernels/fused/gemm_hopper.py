@@ -11,23 +11,23 @@ With cuBLAS, h is written and read back to write a, and in the backward da is wr
 to write dh: 14 bytes of traffic per hidden activation (bf16), of which these epilogues leave 6.
 Both take the MLP's input un-normalised, with each row's 1/rms (`Rstd`, [M]): rms_norm(x) W1^T scales the
 rows of x W1^T, so the forward scales its accumulator's rows, and the backward scales dh's rows, which makes
-dh^T x the gradient of W1 and dh W1 the normalised input's gradient scaled by 1/rms (kernels/mlp.py).
+dh^T x the gradient of W1 and dh W1 the normalised input's gradient scaled by 1/rms (mlp.py).
 
 Attention's queries and keys (`rope_norm_matmul`): q = rms_norm(rope(x Wq^T)) per head, and k likewise, from
 one launch over the output tiles of both (the keys' tiles follow the queries'). A tile of 256 columns holds
 whole heads, so its epilogue rotates and normalises them in place: the product's output is rounded to 16
 bits into shared memory (as cuBLAS's would be), read back as halves of heads, rotated with each row's cos and
-sin and scaled by the head's 1/rms, which also goes to global memory for the backward (kernels/rope_norm.py).
+sin and scaled by the head's 1/rms, which also goes to global memory for the backward (qkv.py).
 
 The residual stream's update by a block's output projection (`residual_matmul`): out = r + y W^T. cuBLAS
 does it as an addmm, which first copies r into the output (a read and a write of the stream) and then reads
 it back in its epilogue; this epilogue reads r once.
 
 Products with B as stored ([K, N]): `matmul`, plain or with the residual epilogue (the MLP's products over
-its hidden width, kernels/mlp.py: dh W1, and x + a W2^T, the block's update of the stream; plain, at the power
+its hidden width, mlp.py: dh W1, and x + a W2^T, the block's update of the stream; plain, at the power
 cap of training, 3% faster than cuBLAS's at d20), and `joined_matmul`, [a1 | a2] W for the input gradient of
 stacked weights from two gradients that lie apart, where cuBLAS would need a1 and a2 copied side by side
-first. Attention's q/k/v operator (kernels/rope_norm.py) takes dx = [dh_qk | dv] [Wq; Wk; Wv] so.
+first. Attention's q/k/v operator (qkv.py) takes dx = [dh_qk | dv] [Wq; Wk; Wv] so.
 
 C = epilogue(A B^T) for A [M, K] and B [N, K], both row-major: B is W1 (an nn.Linear weight) in the MLP's
 forward, a transposed copy of W2 in its backward, Wq then Wk for queries and keys, the projection's weight
@@ -55,11 +55,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.fused import RMS_EPS
+from kernels.fused.numerics import RMS_EPS
 
 # Triton 3.6 (the GPU machines) names the TMA copies async_copy_*; later releases async_load / async_store.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 # Block choice, the one place it is made: 128 x 256 output tiles (two warpgroups of 64 rows; a [64, 256]
 # fp32 accumulator is 128 registers a thread), 64 columns of K per ring slot, 3 slots (48 KB each) plus
@@ -70,7 +70,7 @@ WARPS = 4
 MAX_REGISTERS = 168
 # The epilogues.
 RELU2, RELU2_GRAD, ROPE_NORM, RESIDUAL, PLAIN = (gl.constexpr(e) for e in range(5))
-# RMSNorm's epsilon (kernels/fused.py), a constexpr for the jit code.
+# RMSNorm's epsilon (numerics.py), a constexpr for the jit code.
 NORM_EPS = gl.constexpr(RMS_EPS)
 
 
@@ -103,15 +103,15 @@ def _load_partition(args, B_KN: gl.constexpr):
             mbarrier.wait(free.index(slot), ((j // NS) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             if k0 < K1:
-                _tma_load(a_desc, [m0, k0], ready.index(slot), a_smem.index(slot))
+                tma_load(a_desc, [m0, k0], ready.index(slot), a_smem.index(slot))
             else:
-                _tma_load(a2_desc, [m0, k0 - K1], ready.index(slot), a_smem.index(slot))
+                tma_load(a2_desc, [m0, k0 - K1], ready.index(slot), a_smem.index(slot))
             if B_KN:
-                _tma_load(b_desc, [k0, n0], ready.index(slot), b_smem.index(slot))
+                tma_load(b_desc, [k0, n0], ready.index(slot), b_smem.index(slot))
             elif second:
-                _tma_load(b2_desc, [n0, k0], ready.index(slot), b_smem.index(slot))
+                tma_load(b2_desc, [n0, k0], ready.index(slot), b_smem.index(slot))
             else:
-                _tma_load(b_desc, [n0, k0], ready.index(slot), b_smem.index(slot))
+                tma_load(b_desc, [n0, k0], ready.index(slot), b_smem.index(slot))
             j += 1
 
 
@@ -188,7 +188,7 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
                 if kk == g_step:
                     tma.store_wait(0)
                     mbarrier.expect(g_ready.index(WG), g_desc.block_type.nbytes)
-                    _tma_load(g_desc, [r0, n0], g_ready.index(WG), out)
+                    tma_load(g_desc, [r0, n0], g_ready.index(WG), out)
             j += 1
         # Loads issued before the last product's wait, so that their latency hides behind it.
         if EPILOGUE == ROPE_NORM:
@@ -227,9 +227,9 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
                                 (N + N2) // HEAD_DIM, HEAD_DIM, rows_layout)
         fence_async_shared()
         if second:
-            _tma_store(c2_desc, [r0, n0], out)
+            tma_store(c2_desc, [r0, n0], out)
         else:
-            _tma_store(c_desc, [r0, n0], out)
+            tma_store(c_desc, [r0, n0], out)
         i += 1
     tma.store_wait(0)
 
@@ -285,7 +285,7 @@ def supported(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
+def descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
@@ -302,8 +302,8 @@ def relu2_matmul(x: torch.Tensor, w1: torch.Tensor, rstd: torch.Tensor | None = 
         raise ValueError(f"x {tuple(x.shape)} and w1 {tuple(w1.shape)}: expected [M, K] and [N, K]")
     _check_rstd(rstd, M)
     a = x.new_empty(M, N)
-    a_desc, w1_desc = _descriptor(a, [BM // 2, BN]), _descriptor(w1, [BN, BK])
-    _launch(RELU2, _descriptor(x, [BM, BK]), w1_desc, w1_desc, a_desc, a_desc, a_desc, M, N, 0, K, rstd=rstd)
+    a_desc, w1_desc = descriptor(a, [BM // 2, BN]), descriptor(w1, [BN, BK])
+    _launch(RELU2, descriptor(x, [BM, BK]), w1_desc, w1_desc, a_desc, a_desc, a_desc, M, N, 0, K, rstd=rstd)
     return a
 
 
@@ -320,9 +320,9 @@ def relu2_grad_matmul(
         )
     _check_rstd(rstd, M)
     dh = g.new_empty(M, N)
-    w_desc, dh_desc = _descriptor(w2_t, [BN, BK]), _descriptor(dh, [BM // 2, BN])
+    w_desc, dh_desc = descriptor(w2_t, [BN, BK]), descriptor(dh, [BM // 2, BN])
     _launch(
-        RELU2_GRAD, _descriptor(g, [BM, BK]), w_desc, w_desc, dh_desc, dh_desc, _descriptor(a, [BM // 2, BN]),
+        RELU2_GRAD, descriptor(g, [BM, BK]), w_desc, w_desc, dh_desc, dh_desc, descriptor(a, [BM // 2, BN]),
         M, N, 0, K, rstd=rstd,
     )
     return dh
@@ -336,9 +336,9 @@ def residual_matmul(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.
             f"r {tuple(r.shape)}, y {tuple(y.shape)}, w {tuple(w.shape)}: expected [M, N], [M, K], [N, K]"
         )
     out = y.new_empty(M, N)
-    w_desc, out_desc = _descriptor(w, [BN, BK]), _descriptor(out, [BM // 2, BN])
+    w_desc, out_desc = descriptor(w, [BN, BK]), descriptor(out, [BM // 2, BN])
     _launch(
-        RESIDUAL, _descriptor(y, [BM, BK]), w_desc, w_desc, out_desc, out_desc, _descriptor(r, [BM // 2, BN]),
+        RESIDUAL, descriptor(y, [BM, BK]), w_desc, w_desc, out_desc, out_desc, descriptor(r, [BM // 2, BN]),
         M, N, 0, K,
     )
     return out
@@ -362,9 +362,9 @@ def rope_norm_matmul(
         )
     q, k = x.new_empty(M, Nq), x.new_empty(M, Nk)
     rstd = torch.empty(M, (Nq + Nk) // head_dim, device=x.device, dtype=torch.float32)
-    q_desc, k_desc = _descriptor(q, [BM // 2, BN]), _descriptor(k, [BM // 2, BN])
+    q_desc, k_desc = descriptor(q, [BM // 2, BN]), descriptor(k, [BM // 2, BN])
     _launch(
-        ROPE_NORM, _descriptor(x, [BM, BK]), _descriptor(wq, [BN, BK]), _descriptor(wk, [BN, BK]), q_desc,
+        ROPE_NORM, descriptor(x, [BM, BK]), descriptor(wq, [BN, BK]), descriptor(wk, [BN, BK]), q_desc,
         k_desc, q_desc, M, Nq, Nk, K, cos.contiguous(), sin.contiguous(), rstd, head_dim,
     )
     return q, k, rstd
@@ -398,11 +398,11 @@ def _kn_product(
     """[a1 | a2] b (a1 b without a2), plus r where given; shapes checked by the caller."""
     M, K, N = a1.shape[0], b.shape[0], b.shape[1]
     c = a1.new_empty(M, N)
-    b_desc, c_desc = _descriptor(b, [BK, BN]), _descriptor(c, [BM // 2, BN])
-    r_desc = c_desc if r is None else _descriptor(r, [BM // 2, BN])
+    b_desc, c_desc = descriptor(b, [BK, BN]), descriptor(c, [BM // 2, BN])
+    r_desc = c_desc if r is None else descriptor(r, [BM // 2, BN])
     _launch(
-        PLAIN if r is None else RESIDUAL, _descriptor(a1, [BM, BK]), b_desc, b_desc, c_desc, c_desc, r_desc,
-        M, N, 0, K, a2_desc=None if a2 is None else _descriptor(a2, [BM, BK]), K1=a1.shape[1], b_kn=True,
+        PLAIN if r is None else RESIDUAL, descriptor(a1, [BM, BK]), b_desc, b_desc, c_desc, c_desc, r_desc,
+        M, N, 0, K, a2_desc=None if a2 is None else descriptor(a2, [BM, BK]), K1=a1.shape[1], b_kn=True,
     )
     return c
 

@@ -3,14 +3,14 @@ update of the residual stream x), as PyTorch custom operators with autograd.
 
 The RMSNorm is never written out. With r = 1/rms of each row of x, rms_norm(x) W1^T = r * (x W1^T) row by
 row, so the first product reads x itself and scales its rows. On Hopper the products that feed and follow
-the activation run kernels/gemm_hopper.py, which does the elementwise work in their epilogues: the forward
+the activation run gemm_hopper.py, which does the elementwise work in their epilogues: the forward
 writes a = relu(r * x W1^T)^2 straight from the product (never h, nor the normalised x), and the backward
 writes dh = r * (g W2) * 2 sqrt(a) straight from its product, with sqrt(a) = relu(h) standing in for the h
 that was never kept. With that dh, dh^T x is W1's gradient and u = dh W1 is r times the normalised input's
 gradient, from which the norm's backward is dx = g + u - x r^2 mean(u x) (g from the residual). The products
 over the hidden width, x + a W2^T and dh W1, are the same Gluon GEMM, the first adding x in its epilogue
 (`_product`): the stream's add then costs no pass of its own, and the norm that follows (the next block's)
-reads one tensor instead of two. The weight gradients run kernels/wgrad_hopper.py where that beats cuBLAS
+reads one tensor instead of two. The weight gradients run wgrad_hopper.py where that beats cuBLAS
 (its `preferred`: d20's widths at full batch), else cuBLAS.
 Elsewhere the operators run the same formulas in PyTorch (`reference_*`).
 The operators take W2 transposed ([H, C], row-major), so that both fused products read their weight in
@@ -20,11 +20,12 @@ Both operators have fake implementations, so torch.compile traces through them w
 norm's backward is plain PyTorch, which the compiler fuses into one pass with the residual's gradient.
 """
 
-import torch  # noqa: I001 (kernels.flash_attn must come before triton)
+import torch  # noqa: I001 (kernels.common must come before triton)
 
-# Before triton: without CUDA it switches Triton to the interpreter (see its docstring).
-from kernels.flash_attn import check_interpreter
-from kernels.fused import RMS_EPS, on_hopper_product, weight_grad, wide
+# Before triton: without CUDA it switches Triton to the interpreter (see kernels/common.py).
+from kernels.common import check_interpreter
+from kernels.fused.numerics import RMS_EPS, wide
+from kernels.fused.products import on_hopper_product, weight_grad
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -81,7 +82,7 @@ def relu2_mlp_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rstd = row_rstd(x)
     if on_hopper_product(x, w1):
-        from kernels.gemm_hopper import relu2_matmul
+        from kernels.fused.gemm_hopper import relu2_matmul
 
         a = relu2_matmul(x, w1, rstd)
     else:
@@ -107,7 +108,7 @@ def relu2_mlp_bwd(
     """(u, dW1, dW2), u = rstd * the normalised input's gradient (see the module docstring)."""
     g = g.contiguous()
     if on_hopper_product(g, w2_t, a):
-        from kernels.gemm_hopper import relu2_grad_matmul
+        from kernels.fused.gemm_hopper import relu2_grad_matmul
 
         dh = relu2_grad_matmul(g, w2_t, a, rstd)
     else:
@@ -123,7 +124,7 @@ def _product(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor | None = None) ->
     1,290 for cuBLAS's (an H200, once warm; cold, cuBLAS was faster), and end to end it gained 0.3% at d20
     and 0.2-0.4% at d12."""
     if on_hopper_product(a, b, *([] if r is None else [r])):
-        from kernels.gemm_hopper import matmul
+        from kernels.fused.gemm_hopper import matmul
 
         return matmul(a, b, r)
     return a @ b if r is None else torch.addmm(r, a, b)

@@ -23,10 +23,10 @@ pieces in order of K, each piece's stream-K segments in program order. Where the
 whole tile with one segment (S = 1), that segment goes straight to C too.
 
 G may also lie in two tensors, [G1 | G2] with G1's width a multiple of BM, so that each tile reads one of
-them: attention's q/k/v operator (kernels/rope_norm.py) takes its three weight gradients from dh and dv so,
+them: attention's q/k/v operator (qkv.py) takes its three weight gradients from dh and dv so,
 where cuBLAS would need them copied side by side first.
 
-Three partitions, as in kernels/gemm_hopper.py: a load warp streams each segment's blocks of G (two [BK, 64]
+Three partitions, as in gemm_hopper.py: a load warp streams each segment's blocks of G (two [BK, 64]
 blocks, one per warpgroup) and X ([BK, 256]) by TMA into a ring of STAGES slots, running on into the next
 segment while the warpgroups store the last; two warpgroups own 64 rows of M each and accumulate with
 asynchronous products, one in flight. G's blocks are M-major for the product (a permuted view in shared
@@ -45,8 +45,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from kernels import gemm_hopper
-from kernels.gemm_hopper import _descriptor, _tma_load
+from kernels.fused import gemm_hopper
+from kernels.fused.gemm_hopper import descriptor, tma_load
 
 # Block choice, the one place it is made: 128 x 256 output tiles (two warpgroups of 64 rows; a [64, 256]
 # fp32 accumulator is 128 registers a thread), 64 tokens a K-step, 4 ring slots of 48 KB (G 2 x 8 KB, X 32
@@ -185,12 +185,12 @@ def _load_partition(args):
             mbarrier.expect(ready.index(st), 2 * g_desc.block_type.nbytes + x_desc.block_type.nbytes)
             k0 = kk * BKc
             if m0 < M1:
-                _tma_load(g_desc, [k0, m0], ready.index(st), a_smem.index(2 * st))
-                _tma_load(g_desc, [k0, m0 + HALF], ready.index(st), a_smem.index(2 * st + 1))
+                tma_load(g_desc, [k0, m0], ready.index(st), a_smem.index(2 * st))
+                tma_load(g_desc, [k0, m0 + HALF], ready.index(st), a_smem.index(2 * st + 1))
             else:
-                _tma_load(g2_desc, [k0, m0 - M1], ready.index(st), a_smem.index(2 * st))
-                _tma_load(g2_desc, [k0, m0 - M1 + HALF], ready.index(st), a_smem.index(2 * st + 1))
-            _tma_load(x_desc, [k0, n0], ready.index(st), b_smem.index(st))
+                tma_load(g2_desc, [k0, m0 - M1], ready.index(st), a_smem.index(2 * st))
+                tma_load(g2_desc, [k0, m0 - M1 + HALF], ready.index(st), a_smem.index(2 * st + 1))
+            tma_load(x_desc, [k0, n0], ready.index(st), b_smem.index(st))
             j += 1
 
 
@@ -423,7 +423,7 @@ def preferred(g: torch.Tensor, x: torch.Tensor, g2: torch.Tensor | None = None) 
 
 def supported(*tensors: torch.Tensor) -> bool:
     """Whether these (g, x, and g2 if any) suit the kernel: a Hopper GPU, the same 16-bit dtype, 2-D,
-    row-major with 16-byte aligned rows and base (as kernels/gemm_hopper.py's products)."""
+    row-major with 16-byte aligned rows and base (as gemm_hopper.py's products)."""
     return tensors[0].is_cuda and gemm_hopper.supported(*tensors)
 
 
@@ -456,9 +456,9 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None 
     plan = make_plan(M, N, K, torch.cuda.get_device_properties(g.device).multi_processor_count, programs,
                      split, stream_k_only)
     part = torch.empty(max(plan.slots, 1), BM, BN, device=g.device, dtype=torch.float32)
-    g_desc = _descriptor(g, [BK, BM // 2])
+    g_desc = descriptor(g, [BK, BM // 2])
     _wgrad_kernel[(plan.programs,)](
-        g_desc, g_desc if g2 is None else _descriptor(g2, [BK, BM // 2]), _descriptor(x, [BK, BN]), out, part,
+        g_desc, g_desc if g2 is None else descriptor(g2, [BK, BM // 2]), descriptor(x, [BK, BN]), out, part,
         M, M if g2 is None else M1, N, triton.cdiv(N, BN),
         *plan_args(plan), STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )

@@ -1,4 +1,4 @@
-"""`flash_attn_varlen`: the Triton kernels as PyTorch custom operators with autograd.
+"""`flash_attn_varlen`: the attention kernels as PyTorch custom operators with autograd.
 
 The plan op returns the tile tables of a call (`flash_attn_plan`), the forward op (out, lse) and the
 backward op (dq, dk, dv). All have fake implementations, so torch.compile traces through them without a
@@ -12,7 +12,9 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import flash_attn
+from kernels.attention.backward import backward
+from kernels.attention.forward import forward
+from kernels.attention.plan import make_plan, plan_size
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -29,13 +31,13 @@ def flash_attn_plan_tables(
     window_right: int,
     max_seqlen: int,
 ) -> torch.Tensor:
-    return flash_attn.make_plan(cu_seqlens, num_tokens, head_dim, window_left, window_right, max_seqlen)
+    return make_plan(cu_seqlens, num_tokens, head_dim, window_left, window_right, max_seqlen)
 
 
 @flash_attn_plan_tables.register_fake
 def _(cu_seqlens, num_tokens, head_dim, window_left, window_right, max_seqlen):
     n_docs = cu_seqlens.shape[0] - 1
-    size = flash_attn.plan_size(num_tokens, n_docs, head_dim, window_left, window_right, max_seqlen)
+    size = plan_size(num_tokens, n_docs, head_dim, window_left, window_right, max_seqlen)
     return cu_seqlens.new_empty(size)
 
 
@@ -52,7 +54,7 @@ def flash_attn_varlen_fwd(
     max_seqlen: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = map(_last_dim_contiguous, (q, k, v))
-    return flash_attn.forward(q, k, v, cu_seqlens, window_left, window_right, softmax_scale, plan, max_seqlen)
+    return forward(q, k, v, cu_seqlens, window_left, window_right, softmax_scale, plan, max_seqlen)
 
 
 @flash_attn_varlen_fwd.register_fake
@@ -79,7 +81,7 @@ def flash_attn_varlen_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dout, q, k, v = map(_last_dim_contiguous, (dout, q, k, v))
     dlse = None if dlse is None else dlse.contiguous()
-    return flash_attn.backward(
+    return backward(
         dout, q, k, v, out, lse, dlse, cu_seqlens, window_left, window_right, softmax_scale, plan, max_seqlen
     )
 

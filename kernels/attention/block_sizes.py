@@ -1,0 +1,66 @@
+"""Block sizes of the attention kernels: the one place where they are chosen, per head dim, per pass, and
+per length class of documents (measured on an H200).
+
+A pass may split the documents by length into classes with their own blocks, one launch each: small blocks
+waste less on the masked diagonal of short documents, large ones reuse more of each load on long ones.
+"""
+
+from typing import NamedTuple
+
+from kernels.common import INTERPRET
+
+
+class Blocks(NamedTuple):
+    m: int  # query rows per block
+    n: int  # key rows per block
+    warps: int
+    stages: int
+    # The inner loop's tiles come by TMA (Hopper's tensor memory accelerator, through a descriptor that
+    # bounds each document in hardware) instead of per-thread loads, where that measured faster.
+    tma: bool = False
+    # Head dim 128: on Hopper, causal calls over the whole past run the warp-specialised Gluon kernels of
+    # hopper_forward.py and hopper_backward.py instead (a load warp; two warpgroups of m / 2 query rows in
+    # the forward and dQ pass, of n / 2 keys in the dK/dV pass, which has no Gluon version for the class
+    # that stores dS).
+    gluon: bool = False
+
+
+# Per kernel, (longest document, blocks) classes in increasing length; None is unbounded. Each class is
+# one launch over the documents of its lengths: small blocks waste less on the masked diagonal of short
+# documents, large ones reuse more of each load on long ones. "dq_stored" (optional) is the dQ pass that
+# reads the dS stored by the first dK/dV class (see backward.py): its key blocks are that class's, and its
+# query blocks a multiple of that class's, no larger than its key blocks.
+Config = dict[str, list[tuple[int | None, Blocks]] | Blocks]
+
+
+DELTA_ROWS = 64  # rows per program of the delta pass, which only streams O and dO
+
+
+def block_config(head_dim: int) -> Config:
+    """Block sizes of the kernels: the one place where they are chosen (measured on an H200)."""
+    # Interpreter: small, unequal blocks, two classes, TMA in some and pointer loads in others, so that
+    # small test buffers exercise every path.
+    if INTERPRET:
+        return {
+            "fwd": [(40, Blocks(16, 16, 4, 1, True)), (None, Blocks(32, 16, 4, 1))],
+            "dq": [(24, Blocks(16, 32, 4, 1)), (None, Blocks(32, 16, 4, 1, True))],
+            "dkdv": [(56, Blocks(16, 32, 4, 1, True)), (None, Blocks(32, 16, 4, 1))],
+            "dq_stored": Blocks(32, 32, 4, 1),
+        }
+    if head_dim <= 64:
+        return {
+            "fwd": [(2048, Blocks(64, 64, 4, 3, True)), (None, Blocks(128, 64, 4, 3, True))],
+            "dq": [(None, Blocks(64, 64, 4, 3))],
+            "dkdv": [(None, Blocks(32, 128, 4, 3))],
+        }
+    if head_dim <= 128:
+        return {
+            "fwd": [(None, Blocks(128, 128, 8, 3, True, True))],
+            "dq": [(None, Blocks(128, 64, 8, 3, False, True))],
+            "dkdv": [(2048, Blocks(32, 64, 4, 3, True)), (None, Blocks(64, 128, 8, 2, False, True))],
+            "dq_stored": Blocks(64, 64, 4, 3),
+        }
+    return {
+        "fwd": [(None, Blocks(64, 64, 4, 2))], "dq": [(None, Blocks(64, 32, 4, 2))],
+        "dkdv": [(None, Blocks(32, 64, 4, 2))],
+    }

@@ -1,0 +1,157 @@
+"""What the warp-specialised Gluon passes on Hopper share (triton.experimental.gluon): the launch shape,
+the ring of TMA slots, the loads by ragged descriptor, and which tensors they take.
+
+Three partitions per program:
+- a load warp streams tiles by TMA into a ring of STAGES slots, each with its own mbarriers: K and V for
+  the forward and dQ pass (query tiles of 128 rows, one head), Q and dO for the dK/dV pass (key tiles of
+  128 rows, one kv head);
+- two warpgroups own 64 of the tile's rows each. They wait only on their slot's mbarriers, never on a
+  CTA-wide barrier (triton's own pipeliner puts one around every TMA issue). In the forward and dQ pass
+  each issues the next key block's products before the current block's exponentials, so those run under
+  a product (FlashAttention-3's overlap within a warpgroup).
+Head dim 128, causal over the whole past only: the blocks up to the diagonal, the last ones masked. The
+passes run on the tile tables of plan.py (hopper_forward.py, hopper_backward.py).
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.tools.ragged_tma import create_ragged_descriptor
+
+# Triton 3.6 (the GPU machines) names the TMA load async_copy_global_to_shared; later releases async_load.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+HEAD_DIM = 128
+
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+# Launch: the kernel's own warps are the first warpgroup; the partitions add a second warpgroup and the
+# load warp (padded to a warpgroup). At 168 registers a thread, the 384 threads hold the whole register
+# file, which the kernels' warp_specialize calls share out as 240 / 240 / 24 (setmaxnreg).
+WARPS = 4
+
+
+MAX_REGISTERS = 168
+
+
+@gluon.constexpr_function
+def mma_layout(n):
+    """Accumulator layout of one warpgroup's [64, n] products."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def transposed_slot(smem, slot, BN: gl.constexpr, D: gl.constexpr):
+    """K (or V) of a slot, transposed: the B operand of Q K^T."""
+    return smem.index(slot).reshape([BN, D]).permute((1, 0))
+
+
+@gluon.jit
+def ragged_row(start, length, row):
+    """Coordinates of row `row` of the segment [start, start + length) in a ragged descriptor
+    (triton.tools.ragged_tma): the hardware reads rows past the segment's end as zeros."""
+    billion = 0x40000000
+    return billion, start + length, billion - length + row
+
+
+@gluon.jit
+def stream_pairs(a_desc, b_desc, a_smem, b_smem, a_ready, b_ready, free, start, length, head, lo, hi, j0):
+    """Blocks lo .. hi - 1 of two tensors of a segment (K and V, or Q and dO), each pair into the next
+    ring slot once it is free. j0 pairs went through the ring before; returns the count after these."""
+    BLOCK: gl.constexpr = a_desc.block_type.shape[2]
+    NS: gl.constexpr = a_smem.type.shape[0]
+    for i in range(lo, hi):
+        j = j0 + i - lo
+        slot = j % NS
+        # A slot's first use waits on phase 1, which a fresh mbarrier counts as complete.
+        mbarrier.wait(free.index(slot), ((j // NS) & 1) ^ 1)
+        a, b, c = ragged_row(start, length, i * BLOCK)
+        mbarrier.expect(a_ready.index(slot), a_desc.block_type.nbytes)
+        tma_load(a_desc, [a, b, c, head, 0], a_ready.index(slot), a_smem.index(slot))
+        mbarrier.expect(b_ready.index(slot), b_desc.block_type.nbytes)
+        tma_load(b_desc, [a, b, c, head, 0], b_ready.index(slot), b_smem.index(slot))
+    return j0 + hi - lo
+
+
+@gluon.jit
+def load_halves(desc, smem, bar, start, length, head, r0, FIRST: gl.constexpr):
+    """The two halves (the descriptor's rows each) of a tile from row r0 on into smem slots FIRST and
+    FIRST + 1, completing on bar."""
+    HALF: gl.constexpr = desc.block_type.shape[2]
+    for h in gl.static_range(2):
+        a, b, c = ragged_row(start, length, r0 + h * HALF)
+        tma_load(desc, [a, b, c, head, 0], bar, smem.index(FIRST + h))
+
+
+@gluon.jit
+def table_entry(tile, tiles, n_tiles, cu_seqlens, n_docs, T, BM: gl.constexpr, BN: gl.constexpr):
+    """(segment, first token, length, first row, blocks of BN rows up to the tile's last row) of entry `tile`
+    of a table of BM-row tiles: for a query tile, the key blocks it visits. The segment is -1 for the
+    table's unused entries, and the tail past the last document visits no blocks."""
+    segment = gl.load(tiles + tile)
+    block = gl.load(tiles + n_tiles + tile)
+    start = gl.load(cu_seqlens + gl.maximum(segment, 0))
+    end = gl.load(cu_seqlens + gl.minimum(segment + 1, n_docs), mask=segment < n_docs, other=T)
+    length = end - start
+    r0 = block * BM
+    return segment, start, length, r0, gl.cdiv(gl.minimum(r0 + BM, gl.where(segment < n_docs, length, 0)), BN)
+
+
+@gluon.jit
+def tile_ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """A ring of STAGES slots for pairs of tiles (K and V, or Q and dO) and their mbarriers (ready: the
+    load landed; free: both warpgroups are done with the slot), and one more mbarrier for the tiles
+    that are loaded once."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(once, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)
+    return a_smem, b_smem, once, a_ready, b_ready, free
+
+
+@gluon.jit
+def store_zeros(X, start, r0, length, head, stride_t, BM: gl.constexpr, D: gl.constexpr,
+                 layout: gl.constexpr):
+    """Zeros into rows r0 .. r0 + BM - 1 (those before `length`) of the segment from token `start` of
+    one head of a [T, H, D] tensor."""
+    rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    offs = (start + rows).to(gl.int64)[:, None] * stride_t + head * D + cols[None, :]
+    gl.store(X + offs, gl.zeros([BM, D], X.dtype.element_ty, layout), mask=(rows < length)[:, None])
+
+
+def supported(*tensors: torch.Tensor) -> bool:
+    """Whether these kernels can read these [T, H, D] tensors by TMA: a Hopper GPU, 16-bit, head dim 128,
+    16-byte aligned bases and token/head strides."""
+    q = tensors[0]
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != HEAD_DIM:
+        return False
+    return all(
+        x.data_ptr() % 16 == 0 and x.stride(2) == 1 and all(stride * 2 % 16 == 0 for stride in x.stride()[:2])
+        for x in tensors
+    )
+
+
+def tma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Ragged TMA descriptor of a [T, H, D] tensor for [rows, D] tiles of one head and one segment."""
+    ragged = create_ragged_descriptor(x, [rows, 1, x.shape[2]])
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(ragged.block_shape, dtype)
+    return TensorDescriptor(x, ragged.shape, ragged.strides, ragged.block_shape, layout)

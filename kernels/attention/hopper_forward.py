@@ -1,0 +1,257 @@
+"""The forward on Hopper in Gluon: persistent and warp-specialised (see hopper.py for the partitions).
+
+One program per SM, whose load warp claims (query tile, head) items from a counter in table order and hands
+each to the warpgroups through shared memory. The next item's Q and first K/V blocks then load while the
+warpgroups finish the last one, no program pays a launch per tile or per unused entry, and claiming items
+in turn balances the SMs as the hardware's own scheduling of one program per tile did.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from kernels.attention.hopper import (
+    HEAD_DIM,
+    LN2,
+    LOG2E,
+    MAX_REGISTERS,
+    WARPS,
+    load_halves,
+    mma_layout,
+    store_zeros,
+    stream_pairs,
+    table_entry,
+    tile_ring,
+    tma_descriptor,
+    transposed_slot,
+)
+
+
+@gluon.jit
+def _claim(Counter, tiles, n_tiles, H):
+    """The next work item (query tile i of the table, head h as i H + h) from the launch's counter, or -1
+    once none is left: the table's unused entries come after its tiles."""
+    w = gl.atomic_add(Counter, 1)
+    tile = gl.minimum(w // H, n_tiles - 1)
+    live = (w < n_tiles * H) & (gl.load(tiles + tile) >= 0)
+    return gl.where(live, w, -1)
+
+
+@gluon.jit
+def _hand_over(items, item_ready, item_free, i, w):
+    """Load warp: item w into slot i % 2 of the two-slot item ring that the warpgroups read."""
+    slot = i % 2
+    mbarrier.wait(item_free.index(slot), ((i // 2) & 1) ^ 1)
+    items.index(slot).store(gl.full([1], w, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    mbarrier.arrive(item_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take_over(items, item_ready, item_free, i):
+    """Warpgroup: the i-th item the load warp handed over."""
+    slot = i % 2
+    mbarrier.wait(item_ready.index(slot), (i // 2) & 1)
+    w = gl.max(items.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+    mbarrier.arrive(item_free.index(slot), count=1)
+    return w
+
+
+@gluon.jit
+def _load_partition(args):
+    """One warp: claims the items; for each, hands it to the warpgroups, loads its Q once the warpgroups
+    are done with the last one, then K and V of each key block."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
+     item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
+     qk_scale) = args
+    HALF: gl.constexpr = q_desc.block_type.shape[2]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    j = 0  # K/V pairs through the ring
+    n_q = 0  # Q tiles loaded
+    i = 0  # items handed over
+    w = _claim(Counter, tiles, n_tiles, H)
+    while w >= 0:
+        _hand_over(items, item_ready, item_free, i, w)
+        segment, start, length, r0, n_blocks = table_entry(
+            w // H, tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, BN
+        )
+        head = w % H
+        if n_blocks > 0:
+            mbarrier.wait(q_free, (n_q & 1) ^ 1)
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            load_halves(q_desc, q_smem, q_bar, start, length, head, r0, 0)
+            j = stream_pairs(
+                k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, head // group, 0,
+                n_blocks, j,
+            )
+            n_q += 1
+        i += 1
+        w = _claim(Counter, tiles, n_tiles, H)
+    _hand_over(items, item_ready, item_free, i, -1)
+
+
+@gluon.jit
+def _softmax_partition(args, HALF_INDEX: gl.constexpr):
+    """One warpgroup: 64 query rows of each item the load warp hands over."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
+     item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
+     qk_scale) = args
+    HALF: gl.constexpr = q_desc.block_type.shape[2]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    D: gl.constexpr = k_desc.block_type.shape[4]
+    j = 0
+    n_q = 0
+    i = 0
+    w = _take_over(items, item_ready, item_free, i)
+    while w >= 0:
+        segment, start, length, r0, n_blocks = table_entry(
+            w // H, tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, BN
+        )
+        head = w % H
+        if n_blocks == 0:
+            _store_empty(Out, Lse, start, head, stride_ot, T, r0 + HALF_INDEX * HALF, length, HALF, D)
+        else:
+            _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length,
+                    head, r0, n_blocks, T, stride_ot, qk_scale, j, n_q, HALF_INDEX)
+            j += n_blocks
+            n_q += 1
+        i += 1
+        w = _take_over(items, item_ready, item_free, i)
+
+
+@gluon.jit
+def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length, head,
+            r0, n_blocks, T, stride_ot, qk_scale, j0, n_q, HALF_INDEX: gl.constexpr):
+    """Online softmax of the warpgroup's 64 rows of the query tile from row r0 over its n_blocks key blocks,
+    which are ring entries j0.., then out and lse."""
+    HALF: gl.constexpr = q_smem.type.shape[3]  # Q and the ring hold [1, 1, rows, 1, D] TMA blocks
+    BN: gl.constexpr = k_smem.type.shape[3]
+    D: gl.constexpr = k_smem.type.shape[5]
+    NS: gl.constexpr = k_smem.type.shape[0]
+    mma: gl.constexpr = mma_layout(BN)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma)
+
+    rows = r0 + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_layout)
+    q = q_smem.index(HALF_INDEX).reshape([HALF, D])
+    zeros = gl.zeros([HALF, BN], gl.float32, mma)
+    mbarrier.wait(q_bar, n_q & 1)
+
+    # Block 0 alone; then each step issues S = Q K^T of block j and P V of block j - 1 together, and
+    # computes block j's softmax while P V runs (FlashAttention-3's overlap within a warpgroup).
+    mbarrier.wait(k_ready.index(j0 % NS), (j0 // NS) & 1)
+    s = warpgroup_mma(q, transposed_slot(k_smem, j0 % NS, BN, D), zeros, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    s = _mask_diagonal(s, rows, 0, n_blocks, BN, col_layout)
+    m_i = gl.max(s, 1) * qk_scale
+    p = gl.exp2(s * qk_scale - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    # The loop carries acc as an accumulator that a product may still be writing.
+    acc = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma))
+    for j in range(1, n_blocks):
+        slot = (j0 + j) % NS
+        prev = (j0 + j - 1) % NS
+        mbarrier.wait(k_ready.index(slot), ((j0 + j) // NS) & 1)
+        s = warpgroup_mma(q, transposed_slot(k_smem, slot, BN, D), zeros, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j0 + j - 1) // NS) & 1)
+        acc = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        s = _mask_diagonal(s, rows, j, n_blocks, BN, col_layout)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_free.index(prev), count=1)
+        acc = warpgroup_mma_init(acc * alpha[:, None])
+    # Every product that reads Q is done: the load warp may bring the next item's.
+    mbarrier.arrive(q_free, count=1)
+    last = (j0 + n_blocks - 1) % NS
+    mbarrier.wait(v_ready.index(last), ((j0 + n_blocks - 1) // NS) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(kv_free.index(last), count=1)
+
+    out = acc / l_i[:, None]
+    cols_d = gl.arange(0, D, layout=col_layout)
+    offs = (start + rows).to(gl.int64)[:, None] * stride_ot + head * D + cols_d[None, :]
+    gl.store(Out + offs, out.to(Out.dtype.element_ty), mask=(rows < length)[:, None])
+    lse = (m_i + gl.log2(l_i)) * LN2
+    gl.store(Lse + head * T + start + rows, lse, mask=rows < length)
+
+
+@gluon.jit
+def _mask_diagonal(s, rows, j, n_blocks, BN: gl.constexpr, col_layout: gl.constexpr):
+    """Causal mask on the last key block, the only one that holds keys after some query of the tile."""
+    if j == n_blocks - 1:
+        cols = j * BN + gl.arange(0, BN, layout=col_layout)
+        s = gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _second_softmax_partition(args):
+    _softmax_partition(args, 1)
+
+
+@gluon.jit
+def _fwd_persistent_kernel(
+    q_desc, k_desc, v_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group, qk_scale,
+    Counter, STAGES: gl.constexpr,
+):
+    """Persistent: each program runs items (query tile, head) claimed from Counter until none is left."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = tile_ring(k_desc, v_desc, STAGES)
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_free, count=2)
+    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(item_ready.index(i), count=1)
+        mbarrier.init(item_free.index(i), count=2)
+
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
+            item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H,
+            group, qk_scale)
+    gl.warp_specialize([
+        (_softmax_partition, (args, 0)),
+        (_second_softmax_partition, (args, )),
+        (_load_partition, (args, )),
+    ], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _store_empty(Out, Lse, start, head, stride_ot, T, r0, q_len, BM: gl.constexpr, D: gl.constexpr):
+    """Rows with nothing to attend to (the tail past the last document): out = 0, lse = -inf."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    store_zeros(Out, start, r0, q_len, head, stride_ot, BM, D, layout)
+    rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
+    minus_inf = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(0, layout))
+    gl.store(Lse + head * T + start + rows, minus_inf, mask=rows < q_len)
+
+
+def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks) -> None:
+    """Writes out [T, H, D] and lse [H, T] (as forward.py's kernel) for the query tiles of `tiles`, whose
+    blocks are blocks.m rows."""
+    T, H, D = q.shape
+    if (blocks.m, blocks.n, blocks.warps) != (128, HEAD_DIM, 8):
+        raise ValueError(f"the Gluon forward runs 128-key blocks and two 64-row warpgroups, not {blocks}")
+    n_tiles = tiles.shape[1]
+    # One program per SM (224 KB of shared memory each), and a fresh counter of claimed items per launch.
+    programs = min(n_tiles * H, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    _fwd_persistent_kernel[(programs,)](
+        tma_descriptor(q, blocks.m // 2), tma_descriptor(k, blocks.n), tma_descriptor(v, blocks.n), out, lse,
+        tiles, n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H, H // k.shape[1],
+        softmax_scale * LOG2E.value, counter, STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+    )

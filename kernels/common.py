@@ -1,0 +1,34 @@
+"""What every Triton kernel module of this package shares: the switch to Triton's CPU interpreter, and the
+constants of base-2 softmax.
+
+Without CUDA, the kernels run in Triton's interpreter (slow; for tests on CPU). Triton decides at decoration
+time, and decorates its own library functions (tl.sum, tl.max...) when it is first imported, so
+TRITON_INTERPRET=1 must be set before anything imports triton (torch._dynamo does): this module sets it when
+it comes first, so every kernel module imports it before triton. Otherwise set it in the environment.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when @triton.jit decorates functions
+
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Whether triton.language was set up for the interpreter too (see the module docstring).
+_LIBRARY_INTERPRETED = isinstance(tl.sum, InterpretedFunction)
+# The kernels work in base 2: scores scaled by log2(e) so that exp2 replaces exp; the LSE goes back by ln 2.
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+def check_interpreter() -> None:
+    """Refuse to launch in the interpreter when triton's library was set up without it."""
+    if INTERPRET and not _LIBRARY_INTERPRETED:
+        raise RuntimeError(
+            "triton was imported before kernels.common without TRITON_INTERPRET=1, so its library cannot "
+            "run in the interpreter: set TRITON_INTERPRET=1 in the environment"
+        )
