@@ -1,1 +1,9 @@
-"""The GPT, its attention backends and its optimisers."""
+"""The GPT, its attention backends and its optimisers.
+
+Public surface, imported from the modules:
+- model.gpt: `GPT` (a packed batch in, the loss or the per-token losses out), `GPTShape` (the sizes
+  `depth` sets), `layer_windows` (each layer's attention window from `window_pattern`);
+- model.attention: `Attention` (one backend, prepared once per batch, attended in every layer), `BACKENDS`,
+  `default_backend`, `check_backend`;
+- model.optim: `build_optimizers` (Muon + AdamW, or AdamW), `OPTIMIZERS`, `lr_multiplier`, `set_lr`.
+"""
