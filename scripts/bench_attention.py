@@ -1,9 +1,13 @@
-"""Benchmark varlen attention on a packed buffer: our Triton kernel beside FlexAttention with a document mask,
+"""Benchmark varlen attention on a packed buffer: our kernel beside FlashAttention-4 (where flash-attn-4 is
+installed, also in its deterministic mode), FlexAttention with a document mask,
 torch.nn.attention.varlen.varlen_attn, and SDPA (flash and cuDNN backends) on a zero-padded batch.
 
-    python scripts/bench_attention.py          # table on stdout and in benchmarks/attention_<gpu>.json/.md
-    python scripts/bench_attention.py --tune   # our kernels only, under each candidate block config
+    python scripts/bench_attention.py            # table on stdout and in benchmarks/attention_<device>.json
+    python scripts/bench_attention.py --tune     # our kernels only, under each candidate block config
     python scripts/bench_attention.py --profile  # CUDA time of each of our kernels
+
+<device> is the GPU's model in lower case (h100, h200). `--tune` prints one JSON line per config and
+writes a file only with `--out`; `--profile` writes nothing.
 
 TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forward (half of the full
 4 L^2 D H), 2.5 times that for the backward and 3.5 times for forward + backward. Times are medians of
@@ -16,6 +20,7 @@ once outside the timed region (a model builds the mask once per batch for all it
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -63,7 +68,7 @@ def make_batch(lengths, heads, head_dim, device="cuda", dtype=torch.bfloat16, se
 
 
 def ours(q, k, v, cu, lengths):
-    from kernels import flash_attn_varlen
+    from kernels.attention import flash_attn_varlen
 
     def fwd(q, k, v):
         return flash_attn_varlen(q, k, v, cu, max(lengths), causal=True)
@@ -139,6 +144,35 @@ def sdpa_rows(q, k, v, cu, lengths):
     return fwd, (q, k, v)
 
 
+def _fa4(deterministic: bool):
+    """FlashAttention-4 (flash_attn.cute), the state of the art on Hopper; deterministic=True is the mode
+    comparable with our backward, which is deterministic."""
+
+    def method(q, k, v, cu, lengths):
+        from flash_attn.cute import flash_attn_varlen_func
+
+        longest = max(lengths)
+
+        def fwd(q, k, v):
+            out, _ = flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                causal=True, deterministic=deterministic,
+            )  # fmt: skip
+            return out
+
+        return fwd, (q, k, v)
+
+    return method
+
+
+def fa4_installed() -> bool:
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 METHODS = {"ours": ours, "flex": flex, "varlen_attn": varlen_attn, "sdpa_rows": sdpa_rows}
 
 
@@ -171,6 +205,12 @@ def time_method(method, q, k, v, cu, lengths, parts=("fwd", "bwd", "fwd_bwd"), r
     return times
 
 
+def device_slug(name: str) -> str:
+    """The GPU's model from its CUDA name, for file names: 'NVIDIA H100 80GB HBM3' -> 'h100'."""
+    models = re.findall(r"\b[A-Z]+\d{2,4}[A-Z]?\b", name)
+    return (models[0] if models else name.split()[-1]).lower()
+
+
 def environment() -> dict:
     import triton
 
@@ -188,6 +228,8 @@ def benchmark(head_dims, mixes, heads, tokens) -> list[dict]:
     methods = dict(
         METHODS, sdpa_flash=_sdpa(SDPBackend.FLASH_ATTENTION), sdpa_cudnn=_sdpa(SDPBackend.CUDNN_ATTENTION)
     )
+    if fa4_installed():  # the anchor, where flash-attn-4 is installed
+        methods.update(fa4=_fa4(False), fa4_deterministic=_fa4(True))
     rows = []
     for head_dim in head_dims:
         for mix in mixes:
@@ -219,10 +261,10 @@ def benchmark(head_dims, mixes, heads, tokens) -> list[dict]:
 def tune(head_dims, mixes, heads, tokens) -> list[dict]:
     """Time our forward or backward under candidate block configs, one kernel varied at a time. The mix
     of long documents varies the last length class of block_config, the others the first."""
-    from kernels import flash_attn
-    from kernels.flash_attn import Blocks
+    from kernels.attention import block_sizes
+    from kernels.attention.block_sizes import Blocks
 
-    default_config = flash_attn.block_config
+    default_config = block_sizes.block_config
     tma = True
     candidates = {
         "fwd": [
@@ -275,13 +317,13 @@ def tune(head_dims, mixes, heads, tokens) -> list[dict]:
                 for blocks in configs:
                     entries = list(default_config(head_dim)[kernel])
                     entries[which] = (entries[which][0], blocks)
-                    flash_attn.block_config = lambda d, kernel=kernel, entries=entries: {
+                    block_sizes.block_config = lambda d, kernel=kernel, entries=entries: {
                         **default_config(d),
                         kernel: entries,
                     }
                     row = {"mix": mix, "head_dim": head_dim, "kernel": kernel, "blocks": list(blocks)}
                     run(row, "fwd" if kernel == "fwd" else "bwd", *batch, lengths, flops)
-                    flash_attn.block_config = default_config
+                    block_sizes.block_config = default_config
     return rows
 
 
@@ -308,7 +350,7 @@ def profile(head_dims, mixes, heads, tokens) -> None:
 
 
 def format_row(row: dict) -> str:
-    head = f"| {row['mix']:<10} | {row['head_dim']:>3} | {row['method']:<11} |"
+    head = f"| {row['mix']:<10} | {row['head_dim']:>3} | {row['method']:<17} |"
     if "error" in row:
         return f"{head} {row['error'][:80]} |"
     cells = (f" {row[f'{k}_ms']:8.3f} | {row[f'{k}_tflops']:6.1f} |" for k in ("fwd", "bwd", "fwd_bwd"))
@@ -316,7 +358,7 @@ def format_row(row: dict) -> str:
 
 
 TABLE_HEAD = (
-    "| mix        |   D | method      |   fwd ms | TFLOPS |   bwd ms | TFLOPS |   f+b ms | TFLOPS |"
+    "| mix        |   D | method            |   fwd ms | TFLOPS |   bwd ms | TFLOPS |   f+b ms | TFLOPS |"
     "\n|---|---|---|---:|---:|---:|---:|---:|---:|"
 )
 
@@ -329,31 +371,29 @@ def main():
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--tune", action="store_true", help="sweep our block configs instead")
     parser.add_argument("--profile", action="store_true", help="time each of our kernels instead")
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/attention_<gpu>[_tune].json)")
+    parser.add_argument(
+        "--out", type=Path, help="JSON path (default benchmarks/attention_<device>.json; --tune: none)"
+    )
     args = parser.parse_args()
 
     env = environment()
     print(json.dumps(env))
     if args.profile:
         return profile(args.head_dims, args.mixes, args.heads, args.tokens)
-    gpu = env["device"].split()[-1].lower()
-    out = args.out or Path(__file__).resolve().parents[1] / "benchmarks" / f"attention_{gpu}.json"
-    if args.tune and not args.out:
-        out = out.with_stem(out.stem + "_tune")
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.tune:
         rows = tune(args.head_dims, args.mixes, args.heads, args.tokens)
+        out = args.out
     else:
         print(TABLE_HEAD)
         rows = benchmark(args.head_dims, args.mixes, args.heads, args.tokens)
-        table = "\n".join([TABLE_HEAD, *map(format_row, rows)])
-        print("\n" + table)
-        out.with_suffix(".md").write_text(
-            f"# Varlen attention, {args.tokens} tokens, {args.heads} heads, bf16, causal\n\n"
-            f"{env['device']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}. "
-            "TFLOP/s count in-document causal work only.\n\n" + table + "\n"
-        )
-    out.write_text(json.dumps({**env, "tokens": args.tokens, "heads": args.heads, "rows": rows}, indent=1))
+        print("\n" + "\n".join([TABLE_HEAD, *map(format_row, rows)]))
+        benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+        out = args.out or benchmarks / f"attention_{device_slug(env['device'])}.json"
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {**env, "tokens": args.tokens, "heads": args.heads, "rows": rows}
+    out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
 
 

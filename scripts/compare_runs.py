@@ -1,6 +1,11 @@
-"""Plot train and validation loss against tokens for several runs, and print a table.
+"""Plot train and validation loss against tokens for several runs, and print and save their summary.
 
-    python scripts/compare_runs.py runs/varlen runs/flex runs/sdpa --out benchmarks/loss_curves.png
+    python scripts/compare_runs.py runs/d12/triton runs/d12/flex runs/d12/sdpa_packed \
+        --out benchmarks/loss_curves_d12_h200.png
+
+writes the PNG and, beside it, the summary as JSON (benchmarks/loss_curves_d12_h200.json; `--json` puts it
+elsewhere). Each run is named by its folder. Per run: the last step and tokens seen, the train loss averaged
+over the last 5% of steps, the last validation loss and bits per byte, and the median tokens/s.
 
 Each RUN may be a run directory (its metrics.jsonl is read) or a wandb offline run
 (`run_dir/wandb/offline-run-*`, or its `.wandb` file), read from wandb's own log file.
@@ -117,7 +122,7 @@ def main() -> None:
     )
     parser.add_argument("runs", nargs="+", type=Path, help="run directories or wandb offline runs")
     parser.add_argument("--out", type=Path, default=Path("loss_curves.png"), help="PNG to write")
-    parser.add_argument("--json", type=Path, help="also write the table as JSON here")
+    parser.add_argument("--json", type=Path, help="where the summary goes (default: the PNG's path, .json)")
     args = parser.parse_args()
     runs = {}
     for path in args.runs:
@@ -137,8 +142,9 @@ def main() -> None:
         )
     plot(runs, args.out)
     print(f"wrote {args.out}")
-    if args.json:
-        args.json.write_text(json.dumps(table, indent=2))
+    summary_path = args.json or args.out.with_suffix(".json")
+    summary_path.write_text(json.dumps(table, indent=2) + "\n")
+    print(f"wrote {summary_path}")
 
 
 if __name__ == "__main__":

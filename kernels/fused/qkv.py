@@ -19,8 +19,8 @@ the two tensors as one [T, Nq + Nk + Nv] operand without copying them together: 
 is one product over K = Nq + Nk + Nv (gemm_hopper.py's `joined_matmul`), and the three weight
 gradients one [Nq + Nk + Nv, C] product by wgrad_hopper.py's stream-K kernel. At d20 (an H200, 65,536
 tokens) the input gradient took 905-915 us against 930-940 for cuBLAS over a joined copy, and the copy itself
-~85 us in this kernel. Before the values joined this operator, each gradient was two cuBLAS products (dW
-744 + 326 us, dx 625 + 339 us and the add of their outputs).
+~85 us in this kernel. Kept apart, each gradient would be two cuBLAS products (dW 744 + 326 us, dx 625 +
+339 us, and the add of their outputs).
 """
 
 import torch  # noqa: I001 (kernels.common must come before triton)
