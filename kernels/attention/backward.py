@@ -2,9 +2,12 @@
 
 One pass per query tile and head computes dQ (and delta = rowsum(dO * O) first); one pass per key tile and
 KV head computes dK and dV, looping over the query heads of its GQA group. Every gradient element is
-written by exactly one program, without atomics, so the backward is deterministic. Causal attention over
-the whole past takes the short documents' dQ from the dS their dK/dV pass stores (see `backward`). On
-Hopper, the classes whose blocks say `gluon` run hopper_backward's warp-specialised passes instead.
+written by exactly one program, without atomics, so the backward is deterministic. (Deterministic ways to
+fold dQ into the dK/dV pass measured slower on an H200: adding dS K in a fixed order by spinning on
+per-block counters took about twice the backward, and order-free fixed-point int64 sums were 1.46x slower
+on 16k-token documents.) Causal attention over the whole past takes the short documents' dQ from the dS
+their dK/dV pass stores (see `backward`). On Hopper, the classes whose blocks say `gluon` run
+hopper_backward's warp-specialised passes instead.
 """
 
 import torch  # noqa: I001 (kernels.common must come before triton)

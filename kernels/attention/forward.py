@@ -4,7 +4,9 @@ its rows see with an online softmax, and writes out [T, H, D] and the LSE [H, T]
 Query i of a document sees key j of the same document when i - left <= j <= i + right (window_size as in
 flash-attn; causal means right = 0; an unbounded side is passed as T). Scores are scaled by
 softmax_scale * log2(e) so that exp2 replaces exp. On Hopper, a class whose blocks say `gluon` runs
-hopper_forward's persistent warp-specialised kernel on the same tile table instead.
+hopper_forward's persistent warp-specialised kernel on the same tile table instead: Triton 3.6 waits for
+every tl.dot whose result the iteration uses (wgmma.wait_group 0), so the softmax never overlaps S = QK^T,
+and its own warp specialisation (tl.range(warp_specialize=True)) does not compile these loops on Hopper.
 """
 
 import torch  # noqa: I001 (kernels.common must come before triton)

@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.tools.ragged_tma import create_ragged_descriptor
 
-# Triton 3.6 (the GPU machines) names the TMA load async_copy_global_to_shared; later releases async_load.
+# Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 

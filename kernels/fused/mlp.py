@@ -149,6 +149,8 @@ def _backward(ctx, grad_out, grad_a, grad_rstd):
     return dx.to(x.dtype), dw1, dw2
 
 
+# torch's compiled-graph cache does not key on the formula registered here: after changing _backward,
+# compile into a fresh TORCHINDUCTOR_CACHE_DIR, or the old backward graph is silently reused.
 relu2_mlp_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 

@@ -195,6 +195,8 @@ def _backward(ctx, dq, dk, dv, drstd):
     return *qkv_rope_norm_bwd(dq, dk, dv, *ctx.saved_tensors), None, None, None, None
 
 
+# torch's compiled-graph cache does not key on the formula registered here: after changing _backward,
+# compile into a fresh TORCHINDUCTOR_CACHE_DIR, or the old backward graph is silently reused.
 qkv_rope_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 

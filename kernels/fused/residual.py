@@ -37,6 +37,8 @@ def _backward(ctx, g):
     return g, g @ w, g.t() @ y
 
 
+# torch's compiled-graph cache does not key on the formula registered here: after changing _backward,
+# compile into a fresh TORCHINDUCTOR_CACHE_DIR, or the old backward graph is silently reused.
 residual_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
