@@ -6,6 +6,10 @@
 
 Restarting with the same run_dir resumes from its newest valid checkpoint. SIGTERM, SIGINT and SIGUSR1
 finish the current step, save it and exit 0. Every knob is in configs/schema.py.
+
+`main` checks the config, takes the lock and finds the checkpoint (run/preflight.py) before any work;
+`set_up` builds the data, model and optimisers and restores the checkpoint; `train` is the loop, with the
+step's bookkeeping in the small functions after it.
 """
 
 import math
@@ -14,7 +18,7 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,25 +28,21 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from configs.schema import ConfigError, register_configs
-from data import DataError, PackedLoader, prepare
-from data.config import check_config as check_data_config
+from data import DataError, PackedLoader, Prepared, prepare
 from eval.loss import evaluate, token_bytes
 from eval.metrics import MetricsLogError, RunLogger, attention_flops, peak_flops
 from eval.sample import generate
-from model.attention import BACKENDS, check_backend, default_backend
-from model.gpt import GPT, GPTShape, layer_windows
-from model.optim import OPTIMIZERS, build_optimizers, lr_multiplier, set_lr
+from model.attention import default_backend
+from model.gpt import GPT
+from model.optim import build_optimizers, lr_multiplier, set_lr
 from run.checkpoint import (
     Checkpointer,
     CheckpointInvalid,
     CheckpointMismatch,
     Loaded,
     check_compatible,
-    check_resume,
-    load,
     rng_state,
     set_rng_state,
-    step_of,
 )
 from run.determinism import configure_determinism
 from run.dist import (
@@ -55,95 +55,11 @@ from run.dist import (
     mean_over_ranks,
     shutdown,
 )
-from run.lock import RunLock, RunLocked
+from run.lock import RunLocked
+from run.preflight import check_config, find_resume, take_lock
 from run.stop import GracefulStop
 
 register_configs()
-
-
-def check_config(cfg, info: DistInfo) -> None:
-    """Every check the config allows before any data, model or checkpoint work."""
-    check_data_config(cfg.data)
-    micro = cfg.data.tokens_per_micro_batch * info.world_size
-    if cfg.total_batch_tokens <= 0 or cfg.total_batch_tokens % micro:
-        raise ConfigError(
-            f"total_batch_tokens={cfg.total_batch_tokens} must be a positive multiple of "
-            f"data.tokens_per_micro_batch * world_size = {micro}"
-        )
-    for key in ("max_steps", "save_every", "eval_every", "sample_every", "log_every", "keep_last"):
-        if cfg[key] < 1:
-            raise ConfigError(f"{key}={cfg[key]} must be at least 1")
-    if cfg.attention != "auto":
-        if cfg.attention not in BACKENDS:
-            raise ConfigError(f"attention={cfg.attention!r} must be auto or one of {', '.join(BACKENDS)}")
-        check_backend(cfg.attention, info.device)
-    if cfg.attention == "sdpa_packed" and cfg.data.tokens_per_micro_batch % cfg.data.max_seqlen:
-        raise ConfigError(
-            "attention=sdpa_packed cuts the buffer into rows of data.max_seqlen tokens: "
-            "data.tokens_per_micro_batch must be a multiple of data.max_seqlen"
-        )
-    if cfg.optim.name not in OPTIMIZERS:
-        raise ConfigError(f"optim.name={cfg.optim.name!r} must be one of {', '.join(OPTIMIZERS)}")
-    GPTShape.from_config(cfg.model, cfg.data.vocab_size)
-    layer_windows(cfg.model.window_pattern, cfg.model.short_window, cfg.model.depth)
-    if cfg.wandb.mode not in ("online", "offline", "disabled"):
-        raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} must be online, offline or disabled")
-    if cfg.wandb.mode == "online":
-        import wandb
-
-        if not wandb.login(verify=False, prompt=False):
-            raise ConfigError(
-                "wandb.mode=online but no W&B credentials were found: set WANDB_API_KEY, run `wandb login`, "
-                "or use wandb.mode=offline (and `wandb sync` later)"
-            )
-
-
-def take_lock(run_dir: Path, info: DistInfo) -> RunLock | None:
-    """Rank 0 locks run_dir before anything is written to it; every rank learns whether it did."""
-    lock, error = None, None
-    if info.is_main:
-        lock = RunLock(run_dir)
-        try:
-            lock.acquire()
-        except RunLocked as err:
-            lock, error = None, str(err)
-    error = broadcast_object(error, info)
-    if error is not None:
-        raise RunLocked(error)
-    return lock
-
-
-def find_resume(cfg, checkpointer: Checkpointer, info: DistInfo) -> Loaded | None:
-    """The checkpoint to continue from, verified and checked against the config: `resume=` if given,
-    else the newest valid one in run_dir. Rank 0 picks it (skipping damaged ones), every rank loads it."""
-    picked, error = None, None
-    if info.is_main:
-        try:
-            for orphan in checkpointer.remove_orphans():
-                warnings.warn(f"removed {orphan}, left by a save that never finished", stacklevel=1)
-            if cfg.resume:
-                loaded = load(Path(cfg.resume))
-                newer = [p.name for p in checkpointer.all() if step_of(p) > loaded.manifest["step"]]
-                if newer:
-                    raise CheckpointMismatch(
-                        f"resume={cfg.resume} is at step {loaded.manifest['step']}, but run_dir already "
-                        f"holds later checkpoints ({', '.join(newer)}): continuing here would mix two "
-                        "histories. Use a new run_dir"
-                    )
-            else:
-                loaded = checkpointer.latest_valid()
-            if loaded is not None:
-                config = OmegaConf.to_container(cfg, resolve=True)
-                check_resume(loaded.manifest, config, info.world_size, loaded.path)
-                picked = loaded.path
-        except (CheckpointInvalid, CheckpointMismatch) as err:
-            error = err
-    error, picked = broadcast_object((error, picked), info)
-    if error is not None:
-        raise error
-    if picked is None:
-        return None
-    return loaded if info.is_main else load(picked)
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -188,171 +104,247 @@ def train_step(forward, model, loader, optimizers, accum: int, autocast, info: D
     return StepResult(mean_over_ranks(loss_sum, info) / accum, grad_norm, attn_flops, data_wait)
 
 
+@dataclass
+class Training:
+    """What the loop works with: built once by `set_up`, then advanced one step at a time."""
+
+    cfg: object
+    info: DistInfo
+    data: Prepared
+    loader: PackedLoader
+    model: GPT
+    optimizers: list
+    forward: object  # the compiled model (or the model itself with compile=false)
+    token_losses: object  # the compiled per-token losses, for evaluation
+    autocast: object
+    accum: int  # micro-batches per rank and step
+    byte_lengths: torch.Tensor  # UTF-8 bytes of each token, for bits per byte
+    logger: RunLogger
+    step: int = 0
+    tokens_seen: int = 0
+
+
 def train(cfg, info: DistInfo, checkpointer: Checkpointer, resume: Loaded | None, stop: GracefulStop) -> int:
     """Train to max_steps or to a stop signal; the exit code (1 if the last checkpoint failed to save)."""
+    run = set_up(cfg, info, resume)
+    bar = tqdm(
+        total=cfg.max_steps, initial=run.step, disable=not info.is_main, dynamic_ncols=True, mininterval=1
+    )
+    clip, saved = cfg.optim.grad_clip, True
+    stop.arm()
+    while run.step < cfg.max_steps:
+        t0 = time.perf_counter()
+        lr_mult = lr_multiplier(run.step, cfg.max_steps, cfg.optim)
+        set_lr(run.optimizers, lr_mult)
+        result = train_step(
+            run.forward, run.model, run.loader, run.optimizers, run.accum, run.autocast, info, clip
+        )
+        run.step += 1
+        run.tokens_seen += cfg.total_batch_tokens
+        record = step_metrics(run, result, lr_mult, t0)
+        if due(run.step, cfg.eval_every, cfg.max_steps):
+            record.update(validate(run, bar))
+        if info.is_main and due(run.step, cfg.sample_every, cfg.max_steps):
+            record["sample"] = sample(run, bar)
+        report(run, record, bar)
+        stopping = stop.requested()
+        if due(run.step, cfg.save_every, cfg.max_steps) or stopping:
+            saved = save(run, checkpointer)
+        if stopping:
+            if info.is_main:
+                outcome = f"checkpoint {checkpointer.path(run.step)} written" if saved else "its save FAILED"
+                bar.write(f"stopped by {stop.name} after step {run.step}: {outcome}")
+            break
+    bar.close()
+    run.loader.close()
+    run.logger.close()
+    return 0 if saved else 1
+
+
+def set_up(cfg, info: DistInfo, resume: Loaded | None) -> Training:
+    """The data (rank 0 tokenizes missing shards while the others wait), the model and its optimisers,
+    restored from `resume` where given, and the compiled functions the loop calls."""
     device = info.device
     torch.manual_seed(cfg.seed)
-    run_dir = Path(cfg.run_dir)
     attention = default_backend(device) if cfg.attention == "auto" else cfg.attention
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-
-    # Rank 0 tokenizes missing shards while the others wait, then every rank memory-maps them.
     if info.is_main:
         prepare(cfg.data, build=True)
     barrier(info)
     data = prepare(cfg.data, build=False)
-
-    def make_loader(split: str, infinite: bool) -> PackedLoader:
-        return PackedLoader(
-            data,
-            cfg.data,
-            split=split,
-            rank=info.rank,
-            world_size=info.world_size,
-            seed=cfg.seed,
-            device=device,
-            infinite=infinite,
-        )
-
-    loader = make_loader("train", infinite=True)
-
+    loader = make_loader(cfg, info, data, "train")
     model = GPT(cfg.model, data.vocab_size, attention, cfg.data.max_seqlen).to(device)
     optimizers = build_optimizers(model, cfg.optim)
-    shape = asdict(model.shape)
-
     step, tokens_seen, wandb_id = 0, 0, None
     if resume is not None:
-        check_compatible(resume, shape, data.tokenizer_id)
-        state = resume.state
-        model.load_state_dict(state["model"])
-        for opt, opt_state in zip(optimizers, state["optimizers"], strict=True):
-            opt.load_state_dict(opt_state)
-        loader.load_state_dict(state["loaders"][info.rank])
-        set_rng_state(state["rng"][info.rank])
-        step, tokens_seen, wandb_id = state["step"], state["tokens_seen"], state["wandb_id"]
-        if info.is_main:
-            print(f"resumed from {resume.path} at step {step}", flush=True)
-        resume.state = None  # free the host copy
-
-    logger = RunLogger(cfg, run_dir, step, wandb_id, enabled=info.is_main)
-    forward = torch.compile(model, fullgraph=True, dynamic=False) if cfg.compile else model
-    # Evaluation compiles too: eager FlexAttention would materialise the [T, T] scores.
-    token_losses = (
-        torch.compile(model.token_losses, fullgraph=True, dynamic=False)
-        if cfg.compile
-        else model.token_losses
-    )
-    byte_lengths = token_bytes(data.tokenizer, data.vocab_size)
+        step, tokens_seen, wandb_id = restore(resume, model, optimizers, loader, data, info)
+    wrap = compiled if cfg.compile else (lambda fn: fn)
     accum = cfg.total_batch_tokens // (cfg.data.tokens_per_micro_batch * info.world_size)
-    peak = peak_flops(device)
-    flops_matmul = 6 * model.matmul_params() * cfg.total_batch_tokens
-    about = {
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "world_size": info.world_size,
-        "shape": shape,
-        "tokenizer_id": data.tokenizer_id,
-    }
-
-    def save() -> bool:
-        loaders, rngs = gather_objects(loader.state_dict(), info), gather_objects(rng_state(), info)
-        path = None
-        if info.is_main:
-            state = {
-                "step": step,
-                "tokens_seen": tokens_seen,
-                "model": model.state_dict(),
-                "optimizers": [opt.state_dict() for opt in optimizers],
-                "loaders": loaders,
-                "rng": rngs,
-                "wandb_id": logger.wandb_id,
-            }
-            path = checkpointer.save(step, state, about)
-        return broadcast_object(path, info) is not None
-
+    run = Training(
+        cfg=cfg,
+        info=info,
+        data=data,
+        loader=loader,
+        model=model,
+        optimizers=optimizers,
+        forward=wrap(model),
+        # Evaluation compiles too: eager FlexAttention would materialise the [T, T] scores.
+        token_losses=wrap(model.token_losses),
+        autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext(),
+        accum=accum,
+        byte_lengths=token_bytes(data.tokenizer, data.vocab_size),
+        logger=RunLogger(cfg, Path(cfg.run_dir), step, wandb_id, enabled=info.is_main),
+        step=step,
+        tokens_seen=tokens_seen,
+    )
     if info.is_main:
         print(
-            f"model: {shape} | {model.matmul_params() / 1e6:.2f}M matmul params | attention={attention} | "
-            f"device={device} x{info.world_size} | grad accumulation {accum} | "
+            f"model: {asdict(model.shape)} | {model.matmul_params() / 1e6:.2f}M matmul params | "
+            f"attention={attention} | device={device} x{info.world_size} | grad accumulation {accum} | "
             f"deterministic={cfg.deterministic}",
             flush=True,
         )
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not info.is_main, dynamic_ncols=True, mininterval=1)
-    saved = True
-    stop.arm()
-    while step < cfg.max_steps:
-        t0 = time.perf_counter()
-        lr_mult = lr_multiplier(step, cfg.max_steps, cfg.optim)
-        set_lr(optimizers, lr_mult)
-        result = train_step(forward, model, loader, optimizers, accum, autocast, info, cfg.optim.grad_clip)
-        step += 1
-        tokens_seen += cfg.total_batch_tokens
+    return run
 
-        record = {"step": step, "loss": result.loss.item()}
-        dt = time.perf_counter() - t0
-        step_flops = flops_matmul + result.attention_flops.item() * info.world_size
-        packing = loader.stats()
-        record.update(
-            {
-                "lr_mult": lr_mult,
-                "lr": optimizers[0].param_groups[0]["lr"],
-                "grad_norm": result.grad_norm.item(),
-                "tokens_seen": tokens_seen,
-                "tokens_per_s": cfg.total_batch_tokens / dt,
-                "step_time_s": dt,
-                "data_wait_s": result.data_wait_s,
-                "mfu": step_flops / dt / (peak * info.world_size) if peak else None,
-                "peak_mem_gb": peak_memory_gb(device),
-                "packing_efficiency": packing["packing_efficiency"],
-                "crop_share": packing["crop_share"],
-                "overflow": packing["overflow"],
-            }
+
+def compiled(fn):
+    """One graph, never recompiled: every batch has the same shapes (see data/loader.py)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def make_loader(cfg, info: DistInfo, data: Prepared, split: str) -> PackedLoader:
+    """This rank's share of the split: the training stream without end, or one pass of validation."""
+    return PackedLoader(
+        data,
+        cfg.data,
+        split=split,
+        rank=info.rank,
+        world_size=info.world_size,
+        seed=cfg.seed,
+        device=info.device,
+        infinite=split == "train",
+    )
+
+
+def restore(resume: Loaded, model: GPT, optimizers, loader: PackedLoader, data: Prepared, info: DistInfo):
+    """Load a checkpoint's model, optimisers, this rank's loader and RNG; (step, tokens seen, wandb id)."""
+    check_compatible(resume, asdict(model.shape), data.tokenizer_id)
+    state = resume.state
+    model.load_state_dict(state["model"])
+    for opt, opt_state in zip(optimizers, state["optimizers"], strict=True):
+        opt.load_state_dict(opt_state)
+    loader.load_state_dict(state["loaders"][info.rank])
+    set_rng_state(state["rng"][info.rank])
+    if info.is_main:
+        print(f"resumed from {resume.path} at step {state['step']}", flush=True)
+    resume.state = None  # free the host copy
+    return state["step"], state["tokens_seen"], state["wandb_id"]
+
+
+def due(step: int, every: int, max_steps: int) -> bool:
+    """Whether an every-N-steps event (evaluation, sample, checkpoint) falls on this step; the last step
+    has them all."""
+    return step % every == 0 or step == max_steps
+
+
+def step_metrics(run: Training, result: StepResult, lr_mult: float, t0: float) -> dict:
+    """The step's record for metrics.jsonl: loss, learning rate, speed, MFU, memory and packing."""
+    cfg, info = run.cfg, run.info
+    record = {"step": run.step, "loss": result.loss.item()}
+    dt = time.perf_counter() - t0  # after the loss's .item(), which waits for the step's kernels
+    step_flops = (
+        6 * run.model.matmul_params() * cfg.total_batch_tokens
+        + result.attention_flops.item() * info.world_size
+    )
+    peak = peak_flops(info.device)
+    packing = run.loader.stats()
+    record.update(
+        {
+            "lr_mult": lr_mult,
+            "lr": run.optimizers[0].param_groups[0]["lr"],
+            "grad_norm": result.grad_norm.item(),
+            "tokens_seen": run.tokens_seen,
+            "tokens_per_s": cfg.total_batch_tokens / dt,
+            "step_time_s": dt,
+            "data_wait_s": result.data_wait_s,
+            "mfu": step_flops / dt / (peak * info.world_size) if peak else None,
+            "peak_mem_gb": peak_memory_gb(info.device),
+            "packing_efficiency": packing["packing_efficiency"],
+            "crop_share": packing["crop_share"],
+            "overflow": packing["overflow"],
+        }
+    )
+    return record
+
+
+def validate(run: Training, bar: tqdm) -> dict:
+    """Validation loss and bits per byte over eval_tokens of the held-out split (a fresh pass each time)."""
+    cfg, info = run.cfg, run.info
+    val = make_loader(cfg, info, run.data, "val")
+    with run.autocast:
+        result = evaluate(
+            run.token_losses, val, run.byte_lengths, max(1, cfg.eval_tokens // info.world_size), info
         )
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            val = make_loader("val", infinite=False)
-            with autocast:
-                record.update(
-                    evaluate(
-                        token_losses, val, byte_lengths, max(1, cfg.eval_tokens // info.world_size), info
-                    )
-                )
-            val.close()
-            if info.is_main:
-                bar.write(f"step {step}: val loss {record['val_loss']:.4f}, val bpb {record['val_bpb']:.4f}")
-        if info.is_main and (step % cfg.sample_every == 0 or step == cfg.max_steps):
-            with autocast:
-                record["sample"] = generate(
-                    model,
-                    data.tokenizer,
-                    data.bos_id,
-                    cfg.sample_prompt,
-                    cfg.sample_tokens,
-                    seed=cfg.seed + step,
-                )
-            bar.write(f"step {step} sample: {record['sample']!r}")
-        logger.log(record)
-        if step % cfg.log_every == 0:
-            bar.set_postfix(
-                loss=f"{record['loss']:.4f}",
-                lr=f"{lr_mult:.2f}",
-                tok_s=f"{record['tokens_per_s']:.0f}",
-                mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
-                refresh=False,
-            )
-        bar.update(1)
-        if not math.isfinite(record["loss"]):
-            raise FloatingPointError(f"loss is {record['loss']} at step {step}")
-        stopping = stop.requested()
-        if step % cfg.save_every == 0 or step == cfg.max_steps or stopping:
-            saved = save()
-        if stopping:
-            if info.is_main:
-                outcome = f"checkpoint {checkpointer.path(step)} written" if saved else "its save FAILED"
-                bar.write(f"stopped by {stop.name} after step {step}: {outcome}")
-            break
-    bar.close()
-    loader.close()
-    logger.close()
-    return 0 if saved else 1
+    val.close()
+    if info.is_main:
+        bar.write(f"step {run.step}: val loss {result['val_loss']:.4f}, val bpb {result['val_bpb']:.4f}")
+    return result
+
+
+def sample(run: Training, bar: tqdm) -> str:
+    """A continuation of sample_prompt (rank 0), seeded by the step so that a resumed run repeats it."""
+    cfg = run.cfg
+    with run.autocast:
+        text = generate(
+            run.model,
+            run.data.tokenizer,
+            run.data.bos_id,
+            cfg.sample_prompt,
+            cfg.sample_tokens,
+            seed=cfg.seed + run.step,
+        )
+    bar.write(f"step {run.step} sample: {text!r}")
+    return text
+
+
+def report(run: Training, record: dict, bar: tqdm) -> None:
+    """Log the record (metrics.jsonl, wandb), move the progress bar, and stop on a non-finite loss."""
+    run.logger.log(record)
+    if run.step % run.cfg.log_every == 0:
+        bar.set_postfix(
+            loss=f"{record['loss']:.4f}",
+            lr=f"{record['lr_mult']:.2f}",
+            tok_s=f"{record['tokens_per_s']:.0f}",
+            mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
+            refresh=False,
+        )
+    bar.update(1)
+    if not math.isfinite(record["loss"]):
+        raise FloatingPointError(f"loss is {record['loss']} at step {run.step}")
+
+
+def save(run: Training, checkpointer: Checkpointer) -> bool:
+    """Checkpoint this step (rank 0 writes every rank's loader and RNG state); whether it was written."""
+    info = run.info
+    loaders, rngs = gather_objects(run.loader.state_dict(), info), gather_objects(rng_state(), info)
+    path = None
+    if info.is_main:
+        state = {
+            "step": run.step,
+            "tokens_seen": run.tokens_seen,
+            "model": run.model.state_dict(),
+            "optimizers": [opt.state_dict() for opt in run.optimizers],
+            "loaders": loaders,
+            "rng": rngs,
+            "wandb_id": run.logger.wandb_id,
+        }
+        about = {
+            "config": OmegaConf.to_container(run.cfg, resolve=True),
+            "world_size": info.world_size,
+            "shape": asdict(run.model.shape),
+            "tokenizer_id": run.data.tokenizer_id,
+        }
+        path = checkpointer.save(run.step, state, about)
+    return broadcast_object(path, info) is not None
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")

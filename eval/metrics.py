@@ -10,6 +10,7 @@ the convention of flash-attn's benchmarks. MFU divides FLOPs per second by the d
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -25,6 +26,12 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def device_slug(name: str) -> str:
+    """The GPU's model from its CUDA name, for benchmark file names: 'NVIDIA H100 80GB HBM3' -> 'h100'."""
+    models = re.findall(r"\b[A-Z]+\d{2,4}[A-Z]?\b", name)
+    return (models[0] if models else name.split()[-1]).lower()
 
 
 def visible_pairs(cu_seqlens: torch.Tensor, window: int) -> torch.Tensor:

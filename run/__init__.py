@@ -1,3 +1,10 @@
-"""The machinery of a run, next to the training loop: torchrun set-up and collectives (`dist`), the
-run_dir lock (`lock`), graceful stop on scheduler signals (`stop`), verified checkpoints with fallback
-(`checkpoint`) and bitwise-reproducible settings (`determinism`). train.py imports from the modules."""
+"""The machinery of a run, next to the training loop (train.py imports from the modules):
+- run.preflight: `check_config`, `take_lock`, `find_resume`, everything checked before any data or model
+  work;
+- run.dist: `init_distributed` (torchrun or one process), `DistInfo`, and the collectives the loop uses;
+- run.lock: `RunLock`, one run per run_dir (`RunLocked` names the holder);
+- run.stop: `GracefulStop`, a stop after the current step on SIGTERM, SIGINT or SIGUSR1;
+- run.checkpoint: `Checkpointer` (verified checkpoint folders, fallback past damaged ones), `load`,
+  `check_resume`, `check_compatible`, `rng_state`, `set_rng_state`;
+- run.determinism: `configure_determinism`, the settings behind `deterministic=true`.
+"""

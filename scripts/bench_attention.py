@@ -20,13 +20,14 @@ once outside the timed region (a model builds the mask once per batch for all it
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eval.metrics import device_slug  # noqa: E402
 
 # name -> (lognormal mean before clipping, longest length); sigma = 1, and the last document
 # is cut so that the documents fill the buffer exactly.
@@ -203,12 +204,6 @@ def time_method(method, q, k, v, cu, lengths, parts=("fwd", "bwd", "fwd_bwd"), r
             return_mode="median",
         )
     return times
-
-
-def device_slug(name: str) -> str:
-    """The GPU's model from its CUDA name, for file names: 'NVIDIA H100 80GB HBM3' -> 'h100'."""
-    models = re.findall(r"\b[A-Z]+\d{2,4}[A-Z]?\b", name)
-    return (models[0] if models else name.split()[-1]).lower()
 
 
 def environment() -> dict:

@@ -3,7 +3,7 @@
     python scripts/bench_train.py data.source='corpus/*.parquet' data.vocab_size=32768 \
         data.tokens_per_micro_batch=65536 data.max_seqlen=2048 data.max_num_docs=256 \
         total_batch_tokens=524288 +models=[d12,d20] +backends=[triton,flex,torch_varlen,sdpa_packed] \
-        +warmup=3 +steps=10 +out=benchmarks/train.json [+profile=true]
+        +warmup=3 +steps=10 [+out=FILE.json] [+profile=true]
 
 Takes the same overrides as train.py (the data pipeline and loader are the real ones). Each entry of
 `+models` names a preset of configs/model, composed as `train.py model=<name>` would. For each model
@@ -11,9 +11,11 @@ and backend it reports tokens/s; MFU by nanochat's formula (6 x matmul params + 
 head_dim * max_seqlen FLOPs per token, i.e. full attention over every row, whether computed or not) and
 with only the in-document attention work counted; peak memory; compile time (the first step's time
 beyond a steady step); recompiles after the first step; and the share of step time spent waiting for data.
+The table goes to benchmarks/train_<device>.json (h100, h200, ...: the GPU's model), or to `+out=`.
 """
 
 import gc
+import importlib.metadata
 import json
 import sys
 import time
@@ -29,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.schema import register_configs  # noqa: E402
 from data import PackedLoader, prepare  # noqa: E402
-from eval.metrics import peak_flops  # noqa: E402
+from eval.metrics import device_slug, peak_flops  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from model.optim import build_optimizers  # noqa: E402
 from run.determinism import configure_determinism  # noqa: E402
 from run.dist import init_distributed  # noqa: E402
-from train import check_config, train_step  # noqa: E402
+from run.preflight import check_config  # noqa: E402
+from train import train_step  # noqa: E402
 
 register_configs()
 
@@ -151,6 +154,7 @@ def main(cfg) -> None:
     env = {
         "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "triton": importlib.metadata.version("triton"),
         "deterministic": cfg.deterministic,
         "tokens_per_micro_batch": cfg.data.tokens_per_micro_batch,
         "total_batch_tokens": cfg.total_batch_tokens,
@@ -175,11 +179,11 @@ def main(cfg) -> None:
             f"{r['mfu_nanochat']:>7.1%} {r['mfu_in_document']:>8.1%} {mem:>7} "
             f"{r['compile_s']:>9.1f} {r['recompiles']:>6} {r['data_share']:>7.2%}"
         )
-    if cfg.get("out"):
-        out = Path(cfg.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
-        print(f"wrote {out}")
+    default = Path(__file__).resolve().parents[1] / "benchmarks" / f"train_{device_slug(env['device'])}.json"
+    out = Path(cfg.get("out") or default)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

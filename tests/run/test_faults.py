@@ -99,6 +99,9 @@ def test_second_sigint_exits_at_once_without_saving(tmp_path, corpus):
     )
     proc = start_train(small_run(corpus, run_dir, *slow), tmp_path / "log")
     wait_for(lambda: logged_steps(run_dir) >= 1, proc, "step 1")
+    # Into step 2 (steps take over a second): a signal between step 1's log line and its stop check would
+    # end the run after step 1, before the second signal.
+    time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
