@@ -45,6 +45,9 @@ class ModelConfig:
     # kernels/fused/gemm_hopper.py's product (kernels/fused/residual.py); false (or another device) runs
     # cuBLAS's addmm, which copies the stream first.
     fused_residual: bool = True
+    # FP8 matrix products for attention's projections and the MLP (model/fp8.py): none, tensorwise or
+    # rowwise scales, through torch._scaled_mm. On Hopper it needs the three fused_* switches off.
+    fp8: str = "none"
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from configs.schema import ConfigError
 from kernels.fused import RMS_EPS
 from model.attention import Attention
+from model.fp8 import linear
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, shape: GPTShape, window: int, fused_rope_norm: bool, fused_residual: bool):
+    def __init__(self, shape: GPTShape, window: int, fused_rope_norm: bool, fused_residual: bool, fp8: str):
         super().__init__()
-        self.shape, self.window = shape, window
+        self.shape, self.window, self.fp8 = shape, window, fp8
         self.fused_rope_norm, self.fused_residual = fused_rope_norm, fused_residual
         d, hd = shape.n_embd, shape.head_dim
         self.c_q = nn.Linear(d, shape.n_head * hd, bias=False)
@@ -95,23 +96,23 @@ class CausalSelfAttention(nn.Module):
             q = q.view(T, s.n_head, s.head_dim)
             k, v = k.view(T, s.n_kv_head, s.head_dim), v.view(T, s.n_kv_head, s.head_dim)
         else:
-            q = self.c_q(x).view(T, s.n_head, s.head_dim)
-            k = self.c_k(x).view(T, s.n_kv_head, s.head_dim)
+            q = linear(x, self.c_q.weight, self.fp8).view(T, s.n_head, s.head_dim)
+            k = linear(x, self.c_k.weight, self.fp8).view(T, s.n_kv_head, s.head_dim)
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
             q, k = rms_norm(q), rms_norm(k)  # QK-norm keeps attention logits bounded
-            v = self.c_v(x).view(T, s.n_kv_head, s.head_dim)
+            v = linear(x, self.c_v.weight, self.fp8).view(T, s.n_kv_head, s.head_dim)
         y = attention.attend(q, k, v, ctx, self.window).reshape(T, -1)
         if self.fused_residual and hopper_kernels_run_on(residual):
             from kernels.fused import residual_linear
 
             return residual_linear(residual, y, self.c_proj.weight)
-        return residual + self.c_proj(y)
+        return residual + linear(y, self.c_proj.weight, self.fp8)
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd: int, fused: bool):
+    def __init__(self, n_embd: int, fused: bool, fp8: str):
         super().__init__()
-        self.fused = fused
+        self.fused, self.fp8 = fused, fp8
         self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
 
@@ -122,7 +123,8 @@ class MLP(nn.Module):
             from kernels.fused import relu2_mlp
 
             return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)
-        return x + self.c_proj(F.relu(self.c_fc(rms_norm(x))).square())
+        h = F.relu(linear(rms_norm(x), self.c_fc.weight, self.fp8)).square()
+        return x + linear(h, self.c_proj.weight, self.fp8)
 
 
 def hopper_kernels_run_on(x: torch.Tensor, head_dim: int | None = None) -> bool:
@@ -147,8 +149,11 @@ def hopper_kernels_run_on(x: torch.Tensor, head_dim: int | None = None) -> bool:
 class Block(nn.Module):
     def __init__(self, shape: GPTShape, window: int, cfg):
         super().__init__()
-        self.attn = CausalSelfAttention(shape, window, bool(cfg.fused_rope_norm), bool(cfg.fused_residual))
-        self.mlp = MLP(shape.n_embd, bool(cfg.fused_mlp))
+        fp8 = str(cfg.fp8)
+        self.attn = CausalSelfAttention(
+            shape, window, bool(cfg.fused_rope_norm), bool(cfg.fused_residual), fp8
+        )
+        self.mlp = MLP(shape.n_embd, bool(cfg.fused_mlp), fp8)
 
     def forward(self, x, rotary, attention, ctx):
         x = self.attn(rms_norm(x), x, rotary, attention, ctx)  # x + attention

@@ -277,7 +277,7 @@ class Checkpointer:
 
 # Keys a resumed run must share with its checkpoint: the model's function (every model.* key but those
 # choosing an implementation of the same math), the optimiser, and what decides the data stream.
-_FREE_MODEL_KEYS = {"loss_chunk_tokens", "fused_mlp", "fused_rope_norm", "fused_residual"}
+_FREE_MODEL_KEYS = {"loss_chunk_tokens", "fused_mlp", "fused_rope_norm", "fused_residual", "fp8"}
 _STREAM_DATA_KEYS = (
     "source",
     "text_column",

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from configs.schema import ConfigError
 from data.config import check_config as check_data_config
 from model.attention import BACKENDS, check_backend
+from model.fp8 import check_mode as check_fp8
 from model.gpt import GPTShape, layer_windows
 from model.optim import OPTIMIZERS
 from run.checkpoint import (
@@ -49,6 +50,7 @@ def check_config(cfg, info: DistInfo) -> None:
     if cfg.optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.optim.name!r} must be one of {', '.join(OPTIMIZERS)}")
     GPTShape.from_config(cfg.model, cfg.data.vocab_size)
+    check_fp8(cfg.model, info.device)
     layer_windows(cfg.model.window_pattern, cfg.model.short_window, cfg.model.depth)
     if cfg.wandb.mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} must be online, offline or disabled")

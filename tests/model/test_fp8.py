@@ -1,0 +1,195 @@
+"""FP8 linear layers (model/fp8.py) against float64 math: the scales, saturation, zeros and non-finite
+inputs, and the products, forward and backward, against an independent float64 rounding to the FP8 grids."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from configs.schema import ConfigError, ModelConfig
+from model.fp8 import E4M3, E5M2, cast, check_mode, linear, quantize, scale
+from model.gpt import GPT
+
+# (mantissa bits, smallest normal exponent, largest finite value) of each format.
+FORMATS = {E4M3: (3, -6, 448.0), E5M2: (2, -14, 57344.0)}
+
+
+def round_to_grid(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 v rounded to the nearest value of the FP8 format (ties to even), saturated: the format's
+    grid written out, independent of torch's float8 casts."""
+    mantissa, min_exp, top = FORMATS[dtype]
+    v = v.double().clamp(-top, top)
+    exp = torch.floor(torch.log2(v.abs().clamp_min(2.0**min_exp))).clamp_min(min_exp)
+    step = torch.exp2(exp - mantissa)
+    return torch.round(v / step) * step  # torch.round rounds half to even
+
+
+def reference_quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
+    """x as the FP8 product sees it: scaled by max / amax in float64, rounded to the grid, scaled back."""
+    top = FORMATS[dtype][2]
+    amax = x.double().abs().amax() if dim is None else x.double().abs().amax(dim=dim, keepdim=True)
+    s = (top / amax.clamp_min(1e-12)).float().double()  # the scale itself is float32 in the product
+    return round_to_grid(x.double() * s, dtype) / s
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("dim", [None, -1])
+def test_scale_puts_the_largest_magnitude_on_the_format_max(dtype, dim):
+    x = torch.randn(24, 40) * torch.logspace(-3, 3, 40)
+    x8, inv = quantize(x, dtype, dim)
+    s = scale(x, dtype, dim)
+    amax = x.double().abs().amax() if dim is None else x.double().abs().amax(dim=dim, keepdim=True)
+    assert torch.allclose(s.double(), FORMATS[dtype][2] / amax, rtol=1e-6)
+    assert torch.equal(inv, s.reciprocal())
+    top = x8.float().abs().amax() if dim is None else x8.float().abs().amax(dim=dim)
+    assert torch.all(top == FORMATS[dtype][2])  # every slice reaches the max, none passes it
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_rounds_to_the_format_grid_and_saturates(dtype):
+    x = torch.randn(4096, dtype=torch.float64) * 300
+    s = torch.tensor(2.0)  # half of |2x| is beyond e4m3's 448; e5m2 overflows at the big ones below
+    x[:4] = torch.tensor([1e6, -1e6, 3e4, -3e4], dtype=torch.float64)
+    got = cast(x.float(), s, dtype).double()
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, round_to_grid(x.float().double() * 2.0, dtype))
+
+
+def test_zeros_get_a_finite_scale_and_a_zero_product():
+    x = torch.zeros(16, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    for mode in ("tensorwise", "rowwise"):
+        x8, inv = quantize(x.detach(), E4M3, -1 if mode == "rowwise" else None)
+        assert torch.isfinite(inv).all() and not x8.float().any()
+        y = linear(x, w, mode)
+        y.backward(torch.randn_like(y))
+        assert not y.any() and torch.isfinite(x.grad).all() and not w.grad.any()
+        x.grad = w.grad = None
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_a_non_finite_input_makes_the_product_non_finite(bad, mode):
+    x, w = torch.randn(16, 32), torch.randn(48, 32)
+    x[3, 5] = bad
+    assert not torch.isfinite(linear(x, w, mode)).all()
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_products_equal_float64_products_of_the_rounded_operands(mode):
+    """Forward, dx and dW, each against float64 math on operands rounded independently: only float32
+    accumulation separates them."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 32, 64, requires_grad=True)  # leading dims are flattened into tokens
+    w = torch.randn(80, 64, requires_grad=True)
+    g = torch.randn(3, 32, 80)
+    y = linear(x, w, mode)
+    y.backward(g)
+    dim = -1 if mode == "rowwise" else None
+    grad_dtype = E4M3 if mode == "rowwise" else E5M2
+    x2, g2 = x.detach().reshape(-1, 64), g.reshape(-1, 80)
+    w_ = w.detach()
+    ref_y = reference_quantize(x2, E4M3, dim) @ reference_quantize(w_, E4M3, dim).t()
+    ref_dx = reference_quantize(g2, grad_dtype, dim) @ reference_quantize(w_.t(), E4M3, dim).t()
+    ref_dw = reference_quantize(g2.t(), grad_dtype, dim) @ reference_quantize(x2.t(), E4M3, dim).t()
+    assert rel(y.reshape(-1, 80), ref_y) < 1e-5
+    assert rel(x.grad.reshape(-1, 64), ref_dx) < 1e-5
+    assert rel(w.grad, ref_dw) < 1e-5
+    # ... and within the formats' rounding of the exact products (e4m3: 2^-4 relative; e5m2: 2^-3).
+    exact = x2.double() @ w_.double().t()
+    assert rel(y.reshape(-1, 80), exact) < 2**-4
+    assert rel(x.grad.reshape(-1, 64), g2.double() @ w_.double()) < (2**-4 if mode == "rowwise" else 2**-3)
+
+
+def test_mode_none_is_the_plain_linear_layer():
+    x, w = torch.randn(16, 32), torch.randn(48, 32)
+    assert torch.equal(linear(x, w, "none"), F.linear(x, w))
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="model.fp8='e4m3' must be one of none, tensorwise, rowwise"):
+        check_mode(ModelConfig(fp8="e4m3"), torch.device("cpu"))
+    check_mode(ModelConfig(fp8="tensorwise"), torch.device("cpu"))  # CPU runs _scaled_mm for tests
+
+
+def test_fp8_model_trains_like_the_float32_one():
+    """The whole model with FP8 layers: its loss and gradients follow the float32 model's within the
+    formats' rounding, and it compiles in one graph."""
+    torch.manual_seed(0)
+    cfg = dict(depth=2, head_dim=16, aspect_ratio=32, loss_chunk_tokens=64)
+    ids, targets = torch.randint(0, 97, (128,)), torch.randint(0, 97, (128,))
+    cu, pos = torch.tensor([0, 50, 128], dtype=torch.int32), torch.cat([torch.arange(50), torch.arange(78)])
+    losses, grads = {}, {}
+    for mode in ("none", "tensorwise", "rowwise"):
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(**cfg, fp8=mode), vocab_size=97, attention="reference", max_seqlen=128)
+        with torch.no_grad():  # zero-initialised projections would leave the FP8 products out of the loss
+            for p in model.parameters():
+                p.normal_(0, 0.3)
+        forward = torch.compile(model, fullgraph=True, dynamic=False) if mode == "tensorwise" else model
+        loss = forward(ids, pos, cu, 128, targets)
+        loss.backward()
+        losses[mode] = loss.item()
+        grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    for mode in ("tensorwise", "rowwise"):
+        assert abs(losses[mode] - losses["none"]) < 0.05 * losses["none"]
+        assert rel(grads[mode], grads["none"].double()) < 0.2
+
+
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU, reason="needs FP8 tensor cores")
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_gpu_products_at_training_size(mode):
+    """d20's MLP input product on 16,384 bf16 tokens, forward and backward, against float64 products of the
+    independently rounded operands (cuBLAS accumulates in float32, then rounds the output to bf16)."""
+    torch.manual_seed(0)
+    x = torch.randn(16384, 1280, device="cuda").bfloat16().requires_grad_()
+    w = torch.randn(5120, 1280, device="cuda", requires_grad=True)
+    g = torch.randn(16384, 5120, device="cuda").bfloat16()
+    y = linear(x, w, mode)
+    y.backward(g)
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    dim = -1 if mode == "rowwise" else None
+    grad_dtype = E4M3 if mode == "rowwise" else E5M2
+    x64, g64, w64 = x.detach().double(), g.double(), w.detach().double()
+    # bf16 outputs (2^-9 relative rounding) and float32 scales applied in cuBLAS's epilogue.
+    assert rel(y, reference_quantize(x64, E4M3, dim) @ reference_quantize(w64, E4M3, dim).t()) < 1e-2
+    ref_dx = reference_quantize(g64, grad_dtype, dim) @ reference_quantize(w64.t(), E4M3, dim).t()
+    assert rel(x.grad, ref_dx) < 1e-2
+    ref_dw = reference_quantize(g64.t(), grad_dtype, dim) @ reference_quantize(x64.t(), E4M3, dim).t()
+    assert rel(w.grad, ref_dw) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU, reason="needs FP8 tensor cores")
+def test_compiled_d12_step_with_fp8_has_no_graph_break_and_no_recompile():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        depth=12, fp8="tensorwise", fused_mlp=False, fused_rope_norm=False, fused_residual=False
+    )
+    model = GPT(cfg, vocab_size=32768, attention="triton", max_seqlen=2048).cuda()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    T = 16384
+    ids, targets = torch.randint(0, 32768, (T,), device="cuda"), torch.randint(0, 32768, (T,), device="cuda")
+    for lengths in ([2048] * 8, [1500] * 10 + [1384], [2048] * 7 + [1000, 1000, 48]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        cu = torch.cat([cu, cu[-1:].repeat(16 - len(lengths))])  # a fixed length, as the loader pads it
+        pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(ids, pos, cu, 2048, targets)
+        loss.backward()
+        assert torch.isfinite(loss)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
