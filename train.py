@@ -25,12 +25,11 @@ from typing import NamedTuple
 import hydra
 import torch
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
 from configs.schema import ConfigError, register_configs
 from data import DataError, PackedLoader, Prepared, prepare
 from eval.loss import evaluate, token_bytes
-from eval.metrics import MetricsLogError, RunLogger, attention_flops, peak_flops
+from eval.metrics import MetricsLogError, Progress, RunLogger, attention_flops, peak_flops
 from eval.sample import generate
 from model.attention import default_backend
 from model.gpt import GPT
@@ -127,9 +126,7 @@ class Training:
 def train(cfg, info: DistInfo, checkpointer: Checkpointer, resume: Loaded | None, stop: GracefulStop) -> int:
     """Train to max_steps or to a stop signal; the exit code (1 if the last checkpoint failed to save)."""
     run = set_up(cfg, info, resume)
-    bar = tqdm(
-        total=cfg.max_steps, initial=run.step, disable=not info.is_main, dynamic_ncols=True, mininterval=1
-    )
+    progress = Progress(cfg.max_steps, run.step, cfg.log_every, enabled=info.is_main)
     clip, saved = cfg.optim.grad_clip, True
     stop.arm()
     while run.step < cfg.max_steps:
@@ -143,19 +140,19 @@ def train(cfg, info: DistInfo, checkpointer: Checkpointer, resume: Loaded | None
         run.tokens_seen += cfg.total_batch_tokens
         record = step_metrics(run, result, lr_mult, t0)
         if due(run.step, cfg.eval_every, cfg.max_steps):
-            record.update(validate(run, bar))
+            record.update(validate(run, progress))
         if info.is_main and due(run.step, cfg.sample_every, cfg.max_steps):
-            record["sample"] = sample(run, bar)
-        report(run, record, bar)
+            record["sample"] = sample(run, progress)
+        report(run, record, progress)
         stopping = stop.requested()
         if due(run.step, cfg.save_every, cfg.max_steps) or stopping:
             saved = save(run, checkpointer)
         if stopping:
             if info.is_main:
                 outcome = f"checkpoint {checkpointer.path(run.step)} written" if saved else "its save FAILED"
-                bar.write(f"stopped by {stop.name} after step {run.step}: {outcome}")
+                progress.write(f"stopped by {stop.name} after step {run.step}: {outcome}")
             break
-    bar.close()
+    progress.close()
     run.loader.close()
     run.logger.close()
     return 0 if saved else 1
@@ -276,7 +273,7 @@ def step_metrics(run: Training, result: StepResult, lr_mult: float, t0: float) -
     return record
 
 
-def validate(run: Training, bar: tqdm) -> dict:
+def validate(run: Training, progress: Progress) -> dict:
     """Validation loss and bits per byte over eval_tokens of the held-out split (a fresh pass each time)."""
     cfg, info = run.cfg, run.info
     val = make_loader(cfg, info, run.data, "val")
@@ -286,11 +283,11 @@ def validate(run: Training, bar: tqdm) -> dict:
         )
     val.close()
     if info.is_main:
-        bar.write(f"step {run.step}: val loss {result['val_loss']:.4f}, val bpb {result['val_bpb']:.4f}")
+        progress.write(f"step {run.step}: val loss {result['val_loss']:.4f}, val bpb {result['val_bpb']:.4f}")
     return result
 
 
-def sample(run: Training, bar: tqdm) -> str:
+def sample(run: Training, progress: Progress) -> str:
     """A continuation of sample_prompt (rank 0), seeded by the step so that a resumed run repeats it."""
     cfg = run.cfg
     with run.autocast:
@@ -302,22 +299,14 @@ def sample(run: Training, bar: tqdm) -> str:
             cfg.sample_tokens,
             seed=cfg.seed + run.step,
         )
-    bar.write(f"step {run.step} sample: {text!r}")
+    progress.write(f"step {run.step} sample: {text!r}")
     return text
 
 
-def report(run: Training, record: dict, bar: tqdm) -> None:
-    """Log the record (metrics.jsonl, wandb), move the progress bar, and stop on a non-finite loss."""
+def report(run: Training, record: dict, progress: Progress) -> None:
+    """Log the record (metrics.jsonl, wandb), show the progress, and stop on a non-finite loss."""
     run.logger.log(record)
-    if run.step % run.cfg.log_every == 0:
-        bar.set_postfix(
-            loss=f"{record['loss']:.4f}",
-            lr=f"{record['lr_mult']:.2f}",
-            tok_s=f"{record['tokens_per_s']:.0f}",
-            mfu="-" if record["mfu"] is None else f"{record['mfu']:.1%}",
-            refresh=False,
-        )
-    bar.update(1)
+    progress.update(record)
     if not math.isfinite(record["loss"]):
         raise FloatingPointError(f"loss is {record['loss']} at step {run.step}")
 

@@ -95,7 +95,7 @@ class TrainConfig:
     sample_every: int = 100
     sample_prompt: str = "def "
     sample_tokens: int = 48
-    log_every: int = 1
+    log_every: int = 1  # console progress; a plain line every log_every steps when not on a terminal
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = True

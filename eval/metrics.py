@@ -11,11 +11,14 @@ the convention of flash-attn's benchmarks. MFU divides FLOPs per second by the d
 import json
 import os
 import re
+import sys
+import time
 import warnings
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 # Dense bf16 peaks (no sparsity) of the GPUs we run on; MFU is left out elsewhere.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -140,3 +143,52 @@ class RunLogger:
         self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+class Progress:
+    """The run's progress on the console: a tqdm bar on a terminal; elsewhere (a scheduler's log file) one
+    plain line every `log_every` steps, since a bar's carriage returns make one endless line there."""
+
+    def __init__(
+        self, total: int, initial: int, log_every: int, enabled: bool, interactive: bool | None = None
+    ):
+        self.total, self.step, self.log_every, self.enabled = total, initial, log_every, enabled
+        self.interactive = sys.stdout.isatty() and sys.stderr.isatty() if interactive is None else interactive
+        self.bar = None
+        if enabled and self.interactive:
+            self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, mininterval=1)
+        self.start, self.start_step = time.perf_counter(), initial
+
+    def write(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.write(message)
+        elif self.enabled:
+            print(message, flush=True)
+
+    def update(self, record: dict) -> None:
+        """After each step, with its metrics record."""
+        self.step = record["step"]
+        mfu = "-" if record["mfu"] is None else f"{record['mfu']:.1%}"
+        if self.bar is not None:
+            if self.step % self.log_every == 0:
+                self.bar.set_postfix(
+                    loss=f"{record['loss']:.4f}",
+                    lr=f"{record['lr_mult']:.2f}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    mfu=mfu,
+                    refresh=False,
+                )
+            self.bar.update(1)
+        elif self.enabled and (self.step % self.log_every == 0 or self.step == self.total):
+            per_step = (time.perf_counter() - self.start) / (self.step - self.start_step)
+            eta = int(per_step * (self.total - self.step))
+            print(
+                f"step {self.step}/{self.total} | loss {record['loss']:.4f} | lr {record['lr_mult']:.2f} | "
+                f"{record['tokens_per_s']:,.0f} tok/s | mfu {mfu} | eta {eta // 3600}h{eta // 60 % 60:02d}m"
+                f"{eta % 60:02d}s",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -92,3 +92,15 @@ def test_wandb_offline_run_is_written_for_later_sync(tmp_path, corpus):
     disabled = tmp_path / "disabled"
     run_train(small_run(corpus, disabled, "max_steps=2"))
     assert not (disabled / "wandb").exists()
+
+
+def test_without_a_terminal_the_log_is_plain_lines(tmp_path, corpus):
+    """Under a scheduler stdout is a file: one line every log_every steps, no progress bar."""
+    proc = run_train(small_run(corpus, tmp_path / "run", "log_every=5"))
+    steps = [
+        line.split(" | ")[0]
+        for line in proc.stdout.splitlines()
+        if line.startswith("step ") and " | " in line
+    ]
+    assert steps == ["step 5/12", "step 10/12", "step 12/12"]
+    assert "\r" not in proc.stdout + proc.stderr
