@@ -14,6 +14,11 @@ def segments(length: int, max_seqlen: int) -> int:
 
 def check_config(cfg) -> None:
     """Reject data knobs that cannot work, naming the key, before anything is read or built."""
+    if not cfg.source:
+        raise DataError(
+            "data.source is empty: data=local takes it from the environment variable VARLEN_GPT_DATA "
+            "(export VARLEN_GPT_DATA='corpus/*.parquet') or from the command line (data.source=...)"
+        )
     T, S, N = cfg.tokens_per_micro_batch, cfg.max_seqlen, cfg.max_num_docs
     for key, value in (("tokens_per_micro_batch", T), ("max_seqlen", S)):
         if value <= 0 or value % SEQ_MULTIPLE:

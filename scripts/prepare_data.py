@@ -1,8 +1,8 @@
 """Tokenize a data source once into token shards (idempotent; train.py does the same when they are missing).
 
     python scripts/prepare_data.py                                   # embedded default: the stdlib corpus
-    python scripts/prepare_data.py data.source='../shared/corpora/imdb-reviews/*.parquet' data.vocab_size=8192
-    python scripts/prepare_data.py data=wikipedia data.num_workers=8
+    python scripts/prepare_data.py data.source='corpus/*.parquet' data.vocab_size=8192
+    python scripts/prepare_data.py data=fineweb_edu data.max_docs=2000000 data.num_workers=8
 
 Takes the same overrides as train.py; prints the prepared folder. Re-running with the same inputs does
 nothing; changed inputs (files, column, tokenizer or split settings) give a new folder.
