@@ -24,6 +24,10 @@ from pathlib import Path
 from data.config import DataError
 
 EXTENSIONS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
+# JSON lines compressed as the big public corpora ship them (C4, Dolma, RedPajama): `datasets` decompresses
+# them while streaming.
+COMPRESSED = (".gz", ".zst")
+FORMATS = ".parquet, .jsonl or .json (plain, .gz or .zst) or .txt"
 # txt files are read this many per `datasets` call (after a read error, one by one to name the file);
 # parquet and jsonl files one at a time, so files with different extra columns can be mixed.
 TXT_FILES_PER_READ = 64
@@ -149,7 +153,7 @@ def open_source(cfg) -> Source:
         return Source(spec, "stdlib", "text", files=files, root=root)
     if _looks_local(spec):
         files = _local_files(spec)
-        return Source(spec, EXTENSIONS[files[0].suffix], cfg.text_column, files=files)
+        return Source(spec, file_kind(files[0]), cfg.text_column, files=files)
     hub = {"name": spec, "config": cfg.hub_config, "split": cfg.hub_split, "revision": cfg.hub_revision}
     return Source(spec, "hub", cfg.text_column, hub=hub)
 
@@ -158,9 +162,16 @@ def _magic(spec: str) -> bool:
     return any(c in spec for c in "*?[")
 
 
+def file_kind(path: Path) -> str | None:
+    """parquet, json or text from a file's name, looking through .gz and .zst on JSON; None for others."""
+    if path.suffix in COMPRESSED and len(path.suffixes) > 1 and path.suffixes[-2] in (".json", ".jsonl"):
+        return "json"
+    return EXTENSIONS.get(path.suffix)
+
+
 def _looks_local(spec: str) -> bool:
     path = Path(spec).expanduser()
-    return _magic(spec) or spec.startswith(("/", ".", "~")) or path.suffix in EXTENSIONS or path.exists()
+    return _magic(spec) or spec.startswith(("/", ".", "~")) or file_kind(path) is not None or path.exists()
 
 
 def _local_files(spec: str) -> list[Path]:
@@ -170,18 +181,18 @@ def _local_files(spec: str) -> list[Path]:
         if not files:
             raise DataError(f"data.source={spec!r}: no file matches this pattern")
     elif path.is_dir():
-        files = [p for p in path.rglob("*") if p.suffix in EXTENSIONS and p.is_file()]
+        files = [p for p in path.rglob("*") if file_kind(p) and p.is_file()]
         if not files:
-            raise DataError(f"data.source={spec!r}: the folder holds no .parquet, .jsonl, .json or .txt file")
+            raise DataError(f"data.source={spec!r}: the folder holds no {FORMATS} file")
     elif path.is_file():
         files = [path]
     else:
         raise DataError(f"data.source={spec!r}: no such file or folder")
     files = sorted(p.resolve() for p in files)
     for p in files:
-        if p.suffix not in EXTENSIONS:
-            raise DataError(f"data.source={spec!r}: {p} is not a .parquet, .jsonl, .json or .txt file")
-    kinds = sorted({EXTENSIONS[p.suffix] for p in files})
+        if file_kind(p) is None:
+            raise DataError(f"data.source={spec!r}: {p} is not a {FORMATS} file")
+    kinds = sorted({file_kind(p) for p in files})
     if len(kinds) > 1:
         raise DataError(f"data.source={spec!r} mixes file kinds ({', '.join(kinds)}): point it at one kind")
     return files
