@@ -349,6 +349,7 @@ def main(cfg) -> None:
             checkpointer = Checkpointer(cfg.run_dir, cfg.keep_last)
             resume = find_resume(cfg, checkpointer, info)
             code = train(cfg, info, checkpointer, resume, stop)
+            barrier(info)  # no rank tears the process group down while another still uses it
     except (ConfigError, DataError, CheckpointMismatch, CheckpointInvalid, RunLocked, MetricsLogError) as err:
         sys.exit(f"error: {err}")
     finally:
