@@ -118,6 +118,8 @@ class Training:
     autocast: object
     accum: int  # micro-batches per rank and step
     byte_lengths: torch.Tensor  # UTF-8 bytes of each token, for bits per byte
+    matmul_flops: int  # of one optimiser step's matrix products, all ranks (attention's vary by batch)
+    peak_flops: float | None  # one GPU's dense bf16 peak, for MFU
     logger: RunLogger
     step: int = 0
     tokens_seen: int = 0
@@ -189,6 +191,8 @@ def set_up(cfg, info: DistInfo, resume: Loaded | None) -> Training:
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext(),
         accum=accum,
         byte_lengths=token_bytes(data.tokenizer, data.vocab_size),
+        matmul_flops=6 * model.matmul_params() * cfg.total_batch_tokens,
+        peak_flops=peak_flops(device),
         logger=RunLogger(cfg, Path(cfg.run_dir), step, wandb_id, enabled=info.is_main),
         step=step,
         tokens_seen=tokens_seen,
@@ -248,11 +252,8 @@ def step_metrics(run: Training, result: StepResult, lr_mult: float, t0: float) -
     cfg, info = run.cfg, run.info
     record = {"step": run.step, "loss": result.loss.item()}
     dt = time.perf_counter() - t0  # after the loss's .item(), which waits for the step's kernels
-    step_flops = (
-        6 * run.model.matmul_params() * cfg.total_batch_tokens
-        + result.attention_flops.item() * info.world_size
-    )
-    peak = peak_flops(info.device)
+    step_flops = run.matmul_flops + result.attention_flops.item() * info.world_size
+    peak = run.peak_flops
     packing = run.loader.stats()
     record.update(
         {
