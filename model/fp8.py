@@ -45,7 +45,13 @@ def quantize(
     return cast(x, s, dtype), s.reciprocal()
 
 
-def _product(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, rowwise: bool, grad_dtype=None):
+def _product(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    rowwise: bool,
+    grad_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """a [M, K] b^T for b [N, K] in FP8: a's scale per row (or tensor), b's per row (or tensor). a is cast
     to grad_dtype where given (an output gradient), else to e4m3."""
     a8, a_inv = quantize(a, grad_dtype or E4M3, -1 if rowwise else None)
@@ -55,54 +61,53 @@ def _product(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, rowwise: 
     return torch._scaled_mm(a8, b8.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
 
 
-# Custom ops: the quantisation (amax, scale, cast, the transposed copies of the backward) runs in eager
-# PyTorch inside them, out of the compiler's reach. Correct, but each pass reads and writes whole
-# activations: at d20 it costs more than FP8 saves (see the README), until it is fused into the kernels.
-@torch.library.custom_op("varlen_gpt::fp8_linear", mutates_args=())
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    return _product(x2, w, x.dtype, rowwise).view(*x.shape[:-1], w.shape[0])
+def _column_major(b: torch.Tensor) -> torch.Tensor:
+    """b with the same shape, stored column-major, as cuBLASLt takes the second operand."""
+    return b.t().contiguous().t()
 
 
-@fp8_linear.register_fake
-def _(x, w, rowwise):
-    return x.new_empty(*x.shape[:-1], w.shape[0])
+class _Linear(torch.autograd.Function):
+    """x W^T in FP8, forward and backward. Plain PyTorch ops that torch.compile traces: inductor fuses each
+    quantisation (amax, scale, cast, transposed copy) into the kernels around it.
 
+    `tensorwise` saves the FP8 operands of the forward and their scales for the backward: one scale per
+    tensor holds along either axis, so g8^T x8 and g8 W8 reuse them, and the saved activation is half the
+    bytes of bf16. `rowwise` scales along the reduction of each product, which differs between the forward
+    and the backward, so it saves x and W and quantises them again there."""
 
-@torch.library.custom_op("varlen_gpt::fp8_linear_bwd", mutates_args=())
-def fp8_linear_bwd(
-    g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rowwise: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_dtype = E4M3 if rowwise else E5M2
-    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-    # dx = g W: reduces over the output features, so W enters as W^T [K, N], quantised along N.
-    dx = _product(g2, w.t(), x.dtype, rowwise, grad_dtype)
-    # dW = g^T x: reduces over the tokens; both operands are quantised along them.
-    dw_dtype = torch.bfloat16 if rowwise and g.is_cuda else torch.float32  # cuBLAS: row scales give bf16
-    dw = _product(g2.t(), x2.t(), dw_dtype, rowwise, grad_dtype)
-    return dx.view(x.shape), dw.to(w.dtype)
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.rowwise, ctx.x_shape, ctx.w_dtype = rowwise, x.shape, w.dtype
+        if rowwise:
+            ctx.save_for_backward(x2, w)
+            y = _product(x2, w, x.dtype, rowwise=True)
+        else:
+            x8, x_inv = quantize(x2, E4M3)
+            w8, w_inv = quantize(w, E4M3)
+            ctx.save_for_backward(x8, x_inv, w8, w_inv)
+            y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
+        return y.view(*x.shape[:-1], w.shape[0])
 
-
-@fp8_linear_bwd.register_fake
-def _(g, x, w, rowwise):
-    return torch.empty_like(x), torch.empty_like(w)
-
-
-def _setup_context(ctx, inputs, output):
-    x, w, rowwise = inputs
-    ctx.save_for_backward(x, w)
-    ctx.rowwise = rowwise
-
-
-def _backward(ctx, g):
-    x, w = ctx.saved_tensors
-    dx, dw = fp8_linear_bwd(g, x, w, ctx.rowwise)
-    return dx, dw, None
-
-
-# torch's compiled-graph cache does not key on the formula registered here: after changing _backward,
-# compile into a fresh TORCHINDUCTOR_CACHE_DIR, or the old backward graph is silently reused.
-fp8_linear.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g2 = g.reshape(-1, g.shape[-1])
+        if ctx.rowwise:
+            x2, w = ctx.saved_tensors
+            # dx = g W reduces over the output features, so W enters as W^T [K, N], quantised along N.
+            dx = _product(g2, w.t(), g.dtype, rowwise=True, grad_dtype=E4M3)
+            # dW = g^T x reduces over the tokens; both operands are quantised along them. cuBLAS gives
+            # row-scaled products only in bf16.
+            dw_dtype = torch.bfloat16 if g.is_cuda else torch.float32
+            dw = _product(g2.t(), x2.t(), dw_dtype, rowwise=True, grad_dtype=E4M3)
+        else:
+            x8, x_inv, w8, w_inv = ctx.saved_tensors
+            g8, g_inv = quantize(g2, E5M2)
+            dx = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=g.dtype)
+            dw = torch._scaled_mm(
+                g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
+            )
+        return dx.view(ctx.x_shape), dw.to(ctx.w_dtype), None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
@@ -111,27 +116,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
         return torch.nn.functional.linear(x, w)
     if torch.is_autocast_enabled(x.device.type):  # as autocast's linear: the output in its dtype (bf16)
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return fp8_linear(x, w, mode == "rowwise")
+    return _Linear.apply(x, w, mode == "rowwise")
 
 
 def check_mode(cfg, device: torch.device) -> None:
-    """Refuse, at start-up, an FP8 mode the device cannot run, or one the fused Hopper operators would
-    bypass (they have no FP8 variant: their products run in bf16)."""
+    """Refuse, at start-up, an FP8 mode the device cannot run."""
     mode = cfg.fp8
     if mode not in FP8_MODES:
         raise ConfigError(f"model.fp8={mode!r} must be one of {', '.join(FP8_MODES)}")
     if mode == "none" or device.type != "cuda":
         return
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
+    if torch.cuda.get_device_capability(device) < (8, 9):
         raise ConfigError(
             f"model.fp8={mode} needs FP8 tensor cores (compute capability 8.9 or later); "
             f"{torch.cuda.get_device_name(device)} has none: use model.fp8=none"
-        )
-    fused = [key for key in ("fused_mlp", "fused_rope_norm", "fused_residual") if cfg[key]]
-    if capability[0] == 9 and fused:
-        raise ConfigError(
-            f"model.fp8={mode} runs the linear layers through torch._scaled_mm, and on Hopper "
-            f"{', '.join('model.' + k for k in fused)} would run them as bf16 fused products instead: "
-            f"add {' '.join('model.' + k + '=false' for k in fused)}, or use model.fp8=none"
         )

@@ -102,7 +102,7 @@ class CausalSelfAttention(nn.Module):
             q, k = rms_norm(q), rms_norm(k)  # QK-norm keeps attention logits bounded
             v = linear(x, self.c_v.weight, self.fp8).view(T, s.n_kv_head, s.head_dim)
         y = attention.attend(q, k, v, ctx, self.window).reshape(T, -1)
-        if self.fused_residual and hopper_kernels_run_on(residual):
+        if self.fused_residual and self.fp8 == "none" and hopper_kernels_run_on(residual):
             from kernels.fused import residual_linear
 
             return residual_linear(residual, y, self.c_proj.weight)
@@ -119,7 +119,7 @@ class MLP(nn.Module):
     def forward(self, x):
         """x + the MLP of rms_norm(x) (the fused operator never writes the normalised x out, and adds x in
         its last product's epilogue)."""
-        if self.fused and hopper_kernels_run_on(x):
+        if self.fused and self.fp8 == "none" and hopper_kernels_run_on(x):
             from kernels.fused import relu2_mlp
 
             return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)

@@ -11,7 +11,8 @@ and backend it reports tokens/s; MFU by nanochat's formula (6 x matmul params + 
 head_dim * max_seqlen FLOPs per token, i.e. full attention over every row, whether computed or not) and
 with only the in-document attention work counted; peak memory; compile time (the first step's time
 beyond a steady step); recompiles after the first step; and the share of step time spent waiting for data.
-The table goes to benchmarks/train_<device>.json (h100, h200, ...: the GPU's model), or to `+out=`.
+The table goes to benchmarks/train_<device>.json (h100, h200, ...: the GPU's model), with
+`model.fp8=<mode>` to benchmarks/train_fp8_<mode>_<device>.json, or to `+out=`.
 """
 
 import gc
@@ -156,6 +157,8 @@ def main(cfg) -> None:
         "torch": torch.__version__,
         "triton": importlib.metadata.version("triton"),
         "deterministic": cfg.deterministic,
+        "fp8": cfg.model.fp8,
+        "fused": [key for key in ("fused_mlp", "fused_rope_norm", "fused_residual") if cfg.model[key]],
         "tokens_per_micro_batch": cfg.data.tokens_per_micro_batch,
         "total_batch_tokens": cfg.total_batch_tokens,
         "max_seqlen": cfg.data.max_seqlen,
@@ -179,7 +182,9 @@ def main(cfg) -> None:
             f"{r['mfu_nanochat']:>7.1%} {r['mfu_in_document']:>8.1%} {mem:>7} "
             f"{r['compile_s']:>9.1f} {r['recompiles']:>6} {r['data_share']:>7.2%}"
         )
-    default = Path(__file__).resolve().parents[1] / "benchmarks" / f"train_{device_slug(env['device'])}.json"
+    fp8 = "" if cfg.model.fp8 == "none" else f"fp8_{cfg.model.fp8}_"
+    name = f"train_{fp8}{device_slug(env['device'])}.json"
+    default = Path(__file__).resolve().parents[1] / "benchmarks" / name
     out = Path(cfg.get("out") or default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")

@@ -176,9 +176,7 @@ def test_compiled_d12_step_with_fp8_has_no_graph_break_and_no_recompile():
 
     counters.clear()
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        depth=12, fp8="tensorwise", fused_mlp=False, fused_rope_norm=False, fused_residual=False
-    )
+    cfg = ModelConfig(depth=12, fp8="tensorwise")  # with fused_rope_norm's bf16 q/k/v operator beside it
     model = GPT(cfg, vocab_size=32768, attention="triton", max_seqlen=2048).cuda()
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     T = 16384
