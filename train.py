@@ -25,6 +25,7 @@ from typing import NamedTuple
 import hydra
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
 
 from configs.schema import ConfigError, register_configs
 from data import DataError, PackedLoader, Prepared, prepare
@@ -40,21 +41,14 @@ from run.checkpoint import (
     CheckpointMismatch,
     Loaded,
     check_compatible,
+    read_tensors,
     rng_state,
     set_rng_state,
 )
 from run.determinism import configure_determinism
-from run.dist import (
-    DistInfo,
-    average_gradients,
-    barrier,
-    broadcast_object,
-    gather_objects,
-    init_distributed,
-    mean_over_ranks,
-    shutdown,
-)
+from run.dist import DistInfo, barrier, gather_objects, init_distributed, mean_over_ranks, shutdown
 from run.lock import RunLocked
+from run.parallel import Parallel, load_model_state, model_state, parallelize
 from run.preflight import check_config, find_resume, take_lock
 from run.stop import GracefulStop
 
@@ -74,29 +68,32 @@ class StepResult(NamedTuple):
     data_wait_s: float  # host time spent waiting for batches
 
 
-def train_step(forward, model, loader, optimizers, accum: int, autocast, info: DistInfo, grad_clip: float):
-    """One optimiser step over `accum` micro-batches per rank; gradients averaged over ranks."""
+def train_step(
+    parallel: Parallel, loader, optimizers, accum: int, autocast, info: DistInfo, grad_clip: float
+):
+    """One optimiser step over `accum` micro-batches per rank; gradients averaged over ranks by the
+    parallel mode."""
+    model = parallel.model
     loss_sum = torch.zeros((), device=info.device)
     attn_flops = torch.zeros((), device=info.device, dtype=torch.float64)
     windows = [block.attn.window for block in model.blocks]
     data_wait = 0.0
-    for _ in range(accum):
+    for i in range(accum):
         t0 = time.perf_counter()
         batch = next(loader)
         data_wait += time.perf_counter() - t0
-        with autocast:
-            loss = forward(
+        with parallel.micro_step(last=i == accum - 1), autocast:
+            loss = parallel.forward(
                 batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen, batch.targets
             )
-        (loss / accum).backward()
+            (loss / accum).backward()
         loss_sum += loss.detach()
         attn_flops += attention_flops(batch.cu_seqlens, windows, model.shape.n_head, model.shape.head_dim)
-    average_gradients(model.parameters(), info)
     params = list(model.parameters())
-    if grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    else:
-        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    # Without clipping, an infinite bound: the same norm, and nothing scaled.
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
+    if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards
+        grad_norm = grad_norm.full_tensor()
     for opt in optimizers:
         opt.step()
     model.zero_grad(set_to_none=True)
@@ -111,10 +108,9 @@ class Training:
     info: DistInfo
     data: Prepared
     loader: PackedLoader
-    model: GPT
+    model: GPT  # sharded under parallel=fsdp
     optimizers: list
-    forward: object  # the compiled model (or the model itself with compile=false)
-    token_losses: object  # the compiled per-token losses, for evaluation
+    parallel: Parallel  # the (compiled) functions the loop calls, and how ranks share them
     autocast: object
     accum: int  # micro-batches per rank and step
     byte_lengths: torch.Tensor  # UTF-8 bytes of each token, for bits per byte
@@ -135,15 +131,13 @@ def train(cfg, info: DistInfo, checkpointer: Checkpointer, resume: Loaded | None
         t0 = time.perf_counter()
         lr_mult = lr_multiplier(run.step, cfg.max_steps, cfg.optim)
         set_lr(run.optimizers, lr_mult)
-        result = train_step(
-            run.forward, run.model, run.loader, run.optimizers, run.accum, run.autocast, info, clip
-        )
+        result = train_step(run.parallel, run.loader, run.optimizers, run.accum, run.autocast, info, clip)
         run.step += 1
         run.tokens_seen += cfg.total_batch_tokens
         record = step_metrics(run, result, lr_mult, t0)
         if due(run.step, cfg.eval_every, cfg.max_steps):
             record.update(validate(run, progress))
-        if info.is_main and due(run.step, cfg.sample_every, cfg.max_steps):
+        if due(run.step, cfg.sample_every, cfg.max_steps) and (info.is_main or cfg.parallel == "fsdp"):
             record["sample"] = sample(run, progress)
         report(run, record, progress)
         stopping = stop.requested()
@@ -172,11 +166,12 @@ def set_up(cfg, info: DistInfo, resume: Loaded | None) -> Training:
     data = prepare(cfg.data, build=False)
     loader = make_loader(cfg, info, data, "train")
     model = GPT(cfg.model, data.vocab_size, attention, cfg.data.max_seqlen).to(device)
-    optimizers = build_optimizers(model, cfg.optim)
+    # Evaluation compiles too: eager FlexAttention would materialise the [T, T] scores.
+    parallel = parallelize(model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward)
+    optimizers = build_optimizers(model, cfg.optim)  # after sharding: they hold the sharded parameters
     step, tokens_seen, wandb_id = 0, 0, None
     if resume is not None:
         step, tokens_seen, wandb_id = restore(resume, model, optimizers, loader, data, info)
-    wrap = compiled if cfg.compile else (lambda fn: fn)
     accum = cfg.total_batch_tokens // (cfg.data.tokens_per_micro_batch * info.world_size)
     run = Training(
         cfg=cfg,
@@ -185,9 +180,7 @@ def set_up(cfg, info: DistInfo, resume: Loaded | None) -> Training:
         loader=loader,
         model=model,
         optimizers=optimizers,
-        forward=wrap(model),
-        # Evaluation compiles too: eager FlexAttention would materialise the [T, T] scores.
-        token_losses=wrap(model.token_losses),
+        parallel=parallel,
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext(),
         accum=accum,
         byte_lengths=token_bytes(data.tokenizer, data.vocab_size),
@@ -200,16 +193,12 @@ def set_up(cfg, info: DistInfo, resume: Loaded | None) -> Training:
     if info.is_main:
         print(
             f"model: {asdict(model.shape)} | {model.matmul_params() / 1e6:.2f}M matmul params | "
-            f"attention={attention} | device={device} x{info.world_size} | grad accumulation {accum} | "
+            f"attention={attention} | device={device} x{info.world_size} | parallel={cfg.parallel} | "
+            f"grad accumulation {accum} | "
             f"deterministic={cfg.deterministic}",
             flush=True,
         )
     return run
-
-
-def compiled(fn):
-    """One graph, never recompiled: every batch has the same shapes (see data/loader.py)."""
-    return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
 def make_loader(cfg, info: DistInfo, data: Prepared, split: str) -> PackedLoader:
@@ -227,17 +216,24 @@ def make_loader(cfg, info: DistInfo, data: Prepared, split: str) -> PackedLoader
 
 
 def restore(resume: Loaded, model: GPT, optimizers, loader: PackedLoader, data: Prepared, info: DistInfo):
-    """Load a checkpoint's model, optimisers, this rank's loader and RNG; (step, tokens seen, wandb id)."""
+    """Load a checkpoint's model and optimisers (each rank its part, whatever the ranks and mode that wrote
+    it), the data stream's position and, with the same number of ranks, each rank's RNG; (step, tokens
+    seen, wandb id)."""
     check_compatible(resume, asdict(model.shape), data.tokenizer_id)
-    state = resume.state
-    model.load_state_dict(state["model"])
-    for opt, opt_state in zip(optimizers, state["optimizers"], strict=True):
-        opt.load_state_dict(opt_state)
-    loader.load_state_dict(state["loaders"][info.rank])
-    set_rng_state(state["rng"][info.rank])
+    tensors = model_state(model, optimizers)
+    read_tensors(resume.path, tensors)
+    load_model_state(model, optimizers, tensors)
+    state = resume.run_state
+    loader.load_state_dict(state["loader"])
+    if len(state["rng"]) == info.world_size:
+        set_rng_state(state["rng"][info.rank])
     if info.is_main:
-        print(f"resumed from {resume.path} at step {state['step']}", flush=True)
-    resume.state = None  # free the host copy
+        was = resume.manifest
+        print(
+            f"resumed from {resume.path} at step {state['step']} "
+            f"(written by {was['world_size']} rank(s), parallel={was['parallel']})",
+            flush=True,
+        )
     return state["step"], state["tokens_seen"], state["wandb_id"]
 
 
@@ -280,7 +276,7 @@ def validate(run: Training, progress: Progress) -> dict:
     val = make_loader(cfg, info, run.data, "val")
     with run.autocast:
         result = evaluate(
-            run.token_losses, val, run.byte_lengths, max(1, cfg.eval_tokens // info.world_size), info
+            run.parallel.token_losses, val, run.byte_lengths, max(1, cfg.eval_tokens // info.world_size), info
         )
     val.close()
     if info.is_main:
@@ -289,9 +285,10 @@ def validate(run: Training, progress: Progress) -> dict:
 
 
 def sample(run: Training, progress: Progress) -> str:
-    """A continuation of sample_prompt (rank 0), seeded by the step so that a resumed run repeats it."""
+    """A continuation of sample_prompt, seeded by the step so that a resumed run repeats it: on rank 0, or
+    under fsdp on every rank alike (each forward gathers the weights from all)."""
     cfg = run.cfg
-    with run.autocast:
+    with run.autocast, run.parallel.sampling():
         text = generate(
             run.model,
             run.data.tokenizer,
@@ -300,7 +297,8 @@ def sample(run: Training, progress: Progress) -> str:
             cfg.sample_tokens,
             seed=cfg.seed + run.step,
         )
-    progress.write(f"step {run.step} sample: {text!r}")
+    if run.info.is_main:
+        progress.write(f"step {run.step} sample: {text!r}")
     return text
 
 
@@ -313,28 +311,24 @@ def report(run: Training, record: dict, progress: Progress) -> None:
 
 
 def save(run: Training, checkpointer: Checkpointer) -> bool:
-    """Checkpoint this step (rank 0 writes every rank's loader and RNG state); whether it was written."""
+    """Checkpoint this step, every rank writing its part; whether it was written."""
     info = run.info
-    loaders, rngs = gather_objects(run.loader.state_dict(), info), gather_objects(rng_state(), info)
-    path = None
-    if info.is_main:
-        state = {
-            "step": run.step,
-            "tokens_seen": run.tokens_seen,
-            "model": run.model.state_dict(),
-            "optimizers": [opt.state_dict() for opt in run.optimizers],
-            "loaders": loaders,
-            "rng": rngs,
-            "wandb_id": run.logger.wandb_id,
-        }
-        about = {
-            "config": OmegaConf.to_container(run.cfg, resolve=True),
-            "world_size": info.world_size,
-            "shape": asdict(run.model.shape),
-            "tokenizer_id": run.data.tokenizer_id,
-        }
-        path = checkpointer.save(run.step, state, about)
-    return broadcast_object(path, info) is not None
+    run_state = {
+        "step": run.step,
+        "tokens_seen": run.tokens_seen,
+        "loader": run.loader.state_dict(),  # the same on every rank: the stream's position
+        "rng": gather_objects(rng_state(), info),
+        "wandb_id": run.logger.wandb_id,
+    }
+    about = {
+        "config": OmegaConf.to_container(run.cfg, resolve=True),
+        "world_size": info.world_size,
+        "parallel": run.cfg.parallel,
+        "shape": asdict(run.model.shape),
+        "tokenizer_id": run.data.tokenizer_id,
+    }
+    tensors = model_state(run.model, run.optimizers)
+    return checkpointer.save(run.step, tensors, run_state, about) is not None
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")
@@ -342,12 +336,12 @@ def main(cfg) -> None:
     warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     info, lock = None, None
     try:
-        info = init_distributed(cfg.device)
+        info = init_distributed(cfg.device, group_of_one=cfg.parallel == "fsdp")
         with GracefulStop(info) as stop:
             check_config(cfg, info)
             configure_determinism(cfg.deterministic)  # before any CUDA product: it sets cuBLAS's workspace
             lock = take_lock(Path(cfg.run_dir), info)
-            checkpointer = Checkpointer(cfg.run_dir, cfg.keep_last)
+            checkpointer = Checkpointer(cfg.run_dir, cfg.keep_last, info)
             resume = find_resume(cfg, checkpointer, info)
             code = train(cfg, info, checkpointer, resume, stop)
             barrier(info)  # no rank tears the process group down while another still uses it

@@ -100,6 +100,13 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = True
+    # How ranks share the work (run/parallel.py): ddp (every rank holds the whole model; gradients are
+    # all-reduced in buckets while the backward runs) or fsdp (FSDP2: weights, gradients and optimiser
+    # states sharded over ranks, each block's weights gathered for its forward and backward).
+    parallel: str = "ddp"
+    # fsdp: free each block's gathered weights after its forward and gather them again for the backward
+    # (less memory, one more all-gather per block).
+    reshard_after_forward: bool = True
     # Bitwise-reproducible training: two runs of one config, or a run killed and resumed, give identical
     # losses and weights (torch's deterministic algorithms, inductor without benchmark-picked kernels,
     # a fixed cuBLAS workspace). README "Reproducibility" gives its measured cost.

@@ -2,7 +2,10 @@
 
 Every rank plans the same global stream of buffers (best-fit packing of the split's documents in a
 seed-and-epoch-dependent order) and keeps buffers rank, rank + world_size, ...: ranks get disjoint
-data that together covers it, and the stream does not depend on the number of ranks. A background
+data that together covers it, and the stream does not depend on the number of ranks. A rank's state
+after its k-th batch is the stream's position after the k-th round of world_size buffers, the same on
+every rank: a checkpoint keeps one, and a run with another number of ranks continues the stream from it
+(global buffer i goes to rank i % world_size). A background
 thread builds the batches into (pinned, on CUDA) host memory; `next` copies them non-blocking.
 """
 
@@ -66,12 +69,10 @@ class PackedLoader:
                 return fixed
 
         self.packer = Packer(self.docs.length, self.T, self.S, self.N, cfg.pack_window, order, infinite)
-        # Checked on load_state_dict: a state only resumes the same stream.
+        # Checked on load_state_dict: a state only resumes the same stream (with any number of ranks).
         self.identity = {
             "data": prepared.key,
             "split": split,
-            "rank": rank,
-            "world_size": world_size,
             "seed": seed,
             "infinite": infinite,
             "geometry": [self.T, self.S, self.N, cfg.pack_window],
@@ -150,8 +151,13 @@ class PackedLoader:
                 raise DataError(
                     f"this loader state was saved with {key}={state.get(key)!r}, "
                     f"but this loader has {value!r}: "
-                    "it only resumes the same data, split, seed, ranks and packing settings"
+                    "it only resumes the same data, split, seed and packing settings"
                 )
+        if state["packer"]["buffer"] % self.world_size:
+            raise DataError(
+                f"this loader state is {state['packer']['buffer']} buffers into the stream, not a whole number "
+                f"of rounds of world_size={self.world_size}: rank {self.rank} would take another rank's buffers"
+            )
         self._stop()
         self.packer.load_state(state["packer"])
         self._snapshot = self.packer.state()
@@ -176,7 +182,8 @@ class PackedLoader:
 
 
 def _produce(packer: Packer, docs: Documents, shape, rank, world_size, pin, halt, out) -> None:
-    """Background thread: plan every global buffer; build this rank's, queued with the state after each."""
+    """Background thread: plan every global buffer; build this rank's, queued with the state at the end of
+    its round (the other ranks' buffers of the round planned too), which is the same on every rank."""
     T, S, N, bos = shape
 
     def put(item) -> None:
@@ -200,6 +207,8 @@ def _produce(packer: Packer, docs: Documents, shape, rank, world_size, pin, halt
             if pin:
                 host = host[0].pin_memory(), host[1].pin_memory()
             stats = (T - plan.filler, plan.cropped, plan.overflow, len(plan.pieces))
+            while packer.buffer % world_size and packer.next_plan() is not None:
+                pass
             put((host, stats, packer.state(), packer.progress()))
     except BaseException as err:  # handed to the caller's next()
         put(err)

@@ -5,8 +5,9 @@ magnitude lands on e4m3's largest finite value (448), per tensor (`tensorwise`, 
 per row of each operand along the product's reduction (`rowwise`). The scales are computed on the device
 (amax, divide): nothing waits for the host. The backward quantises the output gradient too: to e5m2
 (range 57,344, two mantissa bits) for `tensorwise`; to e4m3 with row scales for `rowwise`, which cuBLAS
-takes only in e4m3. Each operand is quantised along the axis its product reduces, from the high-precision
-tensors saved by the forward, so the weights and the optimiser states stay as they are.
+takes only in e4m3. Each operand is quantised along the axis its product reduces; the weights and the
+optimiser states stay as they are. The quantisation is plain PyTorch, which torch.compile fuses into the
+kernels that produce and read the operands.
 
 Values beyond the format's range after scaling are saturated at its largest finite value. A non-finite
 input makes its scale 0 or NaN and so its product non-finite: the loss shows it at once instead of training

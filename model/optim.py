@@ -2,10 +2,14 @@
 
 "muon" (nanochat's recipe): Muon for the 2D matrices inside the blocks, AdamW for the embedding and
 the head, whose learning rates scale with (width / 768) ** -0.5. "adamw": AdamW for everything.
-Every rank holds all parameters and the same averaged gradients, so each rank steps the whole model.
+Under parallel=ddp every rank holds all parameters and the same averaged gradients and steps the whole
+model. Under parallel=fsdp the parameters, gradients and states are DTensor shards: AdamW is elementwise
+and steps each rank's shard; Muon keeps its momentum sharded and gathers each whole matrix only to
+orthogonalise it, which gives the single-process update.
 """
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from configs.schema import ConfigError
 from model.gpt import GPT
@@ -48,7 +52,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, dict(lr=lr, momentum=momentum))
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -58,11 +62,28 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             bufs = [self.state[p]["momentum_buffer"] for p in params]
-            torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
-            nesterov = torch.stack(grads).lerp_(torch.stack(bufs), group["momentum"])
-            update = orthogonalize(nesterov).to(params[0].dtype)
+            momentum, lr = group["momentum"], group["lr"]
             scale = max(1.0, params[0].shape[0] / params[0].shape[1]) ** 0.5
-            torch._foreach_add_(params, list(update.unbind(0)), alpha=-group["lr"] * scale)
+            if isinstance(params[0], DTensor):
+                self._sharded_step(params, grads, bufs, momentum, lr * scale)
+                continue
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            nesterov = torch.stack(grads).lerp_(torch.stack(bufs), momentum)
+            update = orthogonalize(nesterov).to(params[0].dtype)
+            torch._foreach_add_(params, list(update.unbind(0)), alpha=-lr * scale)
+
+    @staticmethod
+    def _sharded_step(params, grads, bufs, momentum: float, step_size: float) -> None:
+        """The same update for DTensor shards: momentum on each rank's shard, the whole matrices gathered
+        to orthogonalise (on every rank alike), and each rank's rows of the update applied."""
+        nesterov = []
+        for grad, buf in zip(grads, bufs, strict=True):
+            buf.lerp_(grad, 1 - momentum)
+            nesterov.append(grad.lerp(buf, momentum).full_tensor())
+        update = orthogonalize(torch.stack(nesterov))
+        for p, u in zip(params, update.unbind(0), strict=True):
+            whole = DTensor.from_local(u.to(p.dtype), p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+            p.add_(whole.redistribute(p.device_mesh, p.placements), alpha=-step_size)
 
 
 OPTIMIZERS = ("muon", "adamw")

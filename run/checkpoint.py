@@ -1,17 +1,21 @@
-"""Checkpoints of a run: one folder per save, `run_dir/checkpoints/step_NNNNNN/`.
+"""Checkpoints of a run: one folder per save, `run_dir/checkpoints/step_NNNNNN/`, written by every rank.
 
-A checkpoint folder holds `state.pt` (model and optimiser states, every rank's data loader and RNG
-states, the step, tokens seen, the wandb run id) and `manifest.json`: the format, the step, what the
-run was (config, world size, model shape, tokenizer) and the size and sha256 of every other file. What
-a resume must check is in the manifest, so it is checked before any data or model work.
+A checkpoint folder holds the model and optimiser states in torch.distributed.checkpoint's format (DCP:
+`.metadata` and one `__<rank>_0.distcp` per rank, each rank writing its own shards), `run_state.pt` (the
+step, tokens seen, the data stream's position, every rank's RNG states, the wandb run id) and
+`manifest.json`: the format, the step, what the run was (config, world size, parallel mode, model shape,
+tokenizer) and the size and sha256 of every other file. What a resume must check is in the manifest, so it
+is checked before any data or model work. DCP stores tensors by parameter name, whole: a checkpoint loads
+on any number of ranks and in any parallel mode, each rank reading the pieces it holds.
 
 Integrity:
-- A save writes a temporary folder (`.step_NNNNNN.tmp-<pid>`), hashing `state.pt` while it is written,
-  writes the manifest last, fsyncs, and renames the folder into place: a crash mid-save never touches
-  the earlier checkpoints. Temporary folders of a dead run are removed at the next start.
+- A save writes a temporary folder (`.step_NNNNNN.tmp-<pid>`, the pid of rank 0), every rank hashes a
+  share of the files, rank 0 writes the manifest last, fsyncs, and renames the folder into place: a crash
+  mid-save never touches the earlier checkpoints. Temporary folders of a dead run are removed at the next
+  start.
 - Before writing, the free space is checked against the state's size. A save that cannot be written
-  (too little space, ENOSPC or any other OS error mid-write) is abandoned with a warning, its temporary
-  folder removed, and training goes on: the next save tries again.
+  (too little space, ENOSPC or any other error on any rank mid-write) is abandoned on every rank with a
+  warning, its temporary folder removed, and training goes on: the next save tries again.
 - Loading verifies every file's size and sha256. Picking the checkpoint to resume from walks back from
   the newest past damaged ones, each renamed to `step_NNNNNN.damaged` (nothing is deleted) with a
   warning naming it and why, to the newest valid one.
@@ -19,6 +23,7 @@ Integrity:
 """
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -30,13 +35,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-FORMAT = "varlen-gpt-checkpoint/1"
-STATE = "state.pt"
+from run.dist import DistInfo, broadcast_object, gather_objects
+
+FORMAT = "varlen-gpt-checkpoint/2"
+RUN_STATE = "run_state.pt"
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^step_(\d{6,})$")
 _TEMPORARY = re.compile(r"^\.step_\d{6,}\.tmp-\d+$")
 _READ_CHUNK = 16 << 20
+_SINGLE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 
 class CheckpointMismatch(ValueError):
@@ -75,9 +86,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _state_bytes(obj) -> int:
-    """Bytes of the tensors in a nested state: what torch.save writes, less a little metadata."""
+    """Bytes of the tensors in a nested state, whole (a sharded tensor counts once, at its full size)."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        return obj.numel() * obj.element_size()  # a DTensor's numel is its global one
     if isinstance(obj, dict):
         return sum(_state_bytes(v) for v in obj.values())
     if isinstance(obj, list | tuple):
@@ -89,27 +100,6 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
-class _HashingWriter:
-    """A file wrapper that hashes what torch.save writes, so the file is never read back to hash it."""
-
-    def __init__(self, f):
-        self.f, self.sha256, self.size = f, hashlib.sha256(), 0
-        self.error: OSError | None = None
-
-    def write(self, data) -> int:
-        try:
-            self.f.write(data)
-        except OSError as err:
-            self.error = err  # torch.save reports it as a RuntimeError of its zip writer
-            raise
-        self.sha256.update(data)
-        self.size += len(data)
-        return len(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -118,11 +108,19 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def read_manifest(path: Path) -> dict:
     """The manifest of checkpoint folder `path`, checked for form; CheckpointInvalid if it is not one."""
     if path.is_file():
         raise CheckpointInvalid(
-            f"{path} is not a checkpoint: a checkpoint is a step_NNNNNN folder holding {MANIFEST} and {STATE}"
+            f"{path} is not a checkpoint: a checkpoint is a step_NNNNNN folder holding {MANIFEST}, "
+            f"{RUN_STATE} and the model's DCP files"
         )
     if not path.is_dir():
         raise CheckpointInvalid(f"{path} does not exist")
@@ -163,28 +161,58 @@ def verify(path: Path) -> dict:
 class Loaded:
     path: Path
     manifest: dict
-    state: dict
+    run_state: dict  # what run_state.pt holds; the tensors stay on disk until read_tensors
 
 
-def load(path: Path) -> Loaded:
-    """Verify, then load, checkpoint folder `path` onto the CPU."""
-    manifest = verify(path)
+def load(path: Path, verify_files: bool = True) -> Loaded:
+    """Verify checkpoint folder `path` (or, without `verify_files`, only read its manifest: another rank
+    verified it) and load its run state; the tensors are read by `read_tensors`."""
+    manifest = verify(path) if verify_files else read_manifest(path)
     try:
-        # Our own files hold numpy and Python RNG states next to tensors, hence weights_only=False.
-        state = torch.load(path / STATE, map_location="cpu", weights_only=False)
+        # Our own file holds numpy and Python RNG states, hence weights_only=False.
+        run_state = torch.load(path / RUN_STATE, map_location="cpu", weights_only=False)
     except Exception as err:  # a file that hashes right but does not unpickle: damaged all the same
-        raise CheckpointInvalid(f"{path / STATE} does not load ({type(err).__name__}: {err})") from None
-    return Loaded(path, manifest, state)
+        raise CheckpointInvalid(f"{path / RUN_STATE} does not load ({type(err).__name__}: {err})") from None
+    return Loaded(path, manifest, run_state)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def read_tensors(path: Path, state: dict) -> None:
+    """Fill `state` (tensors and DTensors, nested in dicts, as it was saved) in place from checkpoint
+    `path`: each rank reads what its tensors hold, whatever the number of ranks that wrote it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not _distributed())
+
+
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model's weights of checkpoint `path` by parameter name, on the CPU, in one process."""
+    reader = dcp.FileSystemReader(path)
+    entries = reader.read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in entries.items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key.removeprefix("model."): tensor for key, tensor in state.items()}
 
 
 class Checkpointer:
-    """The checkpoints of one run_dir. Writing methods are for rank 0, under the run lock."""
+    """The checkpoints of one run_dir. `save` is collective (every rank calls it); the other writing
+    methods are for rank 0, under the run lock."""
 
-    def __init__(self, run_dir: str | Path, keep_last: int):
+    def __init__(self, run_dir: str | Path, keep_last: int, info: DistInfo = _SINGLE):
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be at least 1")
         self.dir = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.info = info
 
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step:06d}"
@@ -219,60 +247,103 @@ class Checkpointer:
                 )
         return None
 
-    def save(self, step: int, state: dict, about: dict) -> Path | None:
-        """Write checkpoint `step` atomically and prune to keep_last. `about` (config, world size, shape,
-        tokenizer) goes into the manifest. Returns None, with a warning, when it could not be written."""
-        final = self.path(step)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            need = int(_state_bytes(state) * 1.02) + (1 << 20)
-            free = shutil.disk_usage(self.dir).free
-            if free < need:
+    def save(self, step: int, tensors: dict, run_state: dict, about: dict) -> Path | None:
+        """Write checkpoint `step` atomically and prune to keep_last; every rank calls it. `tensors` (the
+        model and optimisers, sharded or not) go through DCP, `run_state` (rank 0's) into run_state.pt,
+        `about` (config, world size, shape, tokenizer) into the manifest. Returns None on every rank, with
+        a warning, when it could not be written."""
+        info, final = self.info, self.path(step)
+        tmp = final.with_name(f".{final.name}.tmp-{broadcast_object(os.getpid(), info)}")
+        failure = None
+        if info.is_main:
+            failure = self._prepare(tmp, _state_bytes(tensors))
+        failure = broadcast_object(failure, info)
+        if failure is None:
+            failure = self._write(tmp, tensors, run_state)
+        if failure is None:
+            failure = self._seal(tmp, final, step, about)
+        if failure is not None:
+            if info.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
                 warnings.warn(
-                    f"checkpoint {final} not written: it needs about {_size(need)} and only "
-                    f"{_size(free)} are free in {self.dir}. Training goes on; "
-                    "the next save tries again",
+                    f"checkpoint {final} not written: {failure}. Training goes on; the next save tries again",
                     stacklevel=2,
                 )
-                return None
+            return None
+        if info.is_main:
+            for old in [p for p in self.all() if step_of(p) <= step][: -self.keep_last]:
+                shutil.rmtree(old)
+        return final
+
+    def _prepare(self, tmp: Path, tensor_bytes: int) -> str | None:
+        """Rank 0: the free-space check and an empty temporary folder; the reason it failed, if it did."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            need = int(tensor_bytes * 1.02) + (1 << 20)
+            free = shutil.disk_usage(self.dir).free
+            if free < need:
+                return f"it needs about {_size(need)} and only {_size(free)} are free in {self.dir}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            with open(tmp / STATE, "wb") as f:
-                writer = _HashingWriter(f)
-                try:
-                    torch.save(state, writer)
-                except RuntimeError:
-                    if writer.error is None:
-                        raise
-                    raise writer.error from None
-                f.flush()
-                os.fsync(f.fileno())
-            manifest = {
-                "format": FORMAT,
-                "step": step,
-                **about,
-                "files": {STATE: {"size": writer.size, "sha256": writer.sha256.hexdigest()}},
-            }
-            with open(tmp / MANIFEST, "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            if final.exists():  # a checkpoint of this step from an abandoned history (see check_resume)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.dir)  # make the rename itself durable
         except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            warnings.warn(
-                f"checkpoint {final} not written ({err}). Training goes on; the next save tries again",
-                stacklevel=2,
-            )
-            return None
-        for old in [p for p in self.all() if step_of(p) <= step][: -self.keep_last]:
-            shutil.rmtree(old)
-        return final
+            return str(err)
+        return None
+
+    def _write(self, tmp: Path, tensors: dict, run_state: dict) -> str | None:
+        """Every rank: its DCP shards, and rank 0 the run state; the first failure of any rank."""
+        failure = None
+        try:
+            with warnings.catch_warnings():  # DCP warns that one process saves alone: so it does here
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+            if self.info.is_main:
+                _write_durably(tmp / RUN_STATE, _pickled(run_state))
+        except Exception as err:  # OSError, or DCP's CheckpointException carrying one from any rank
+            failure = _reason(err)
+        failures = [f for f in gather_objects(failure, self.info) if f is not None]
+        return failures[0] if failures else None
+
+    def _seal(self, tmp: Path, final: Path, step: int, about: dict) -> str | None:
+        """Hash the files (each rank a share), then rank 0 writes the manifest and renames the folder."""
+        info = self.info
+        names = sorted(p.name for p in tmp.iterdir()) if info.is_main else None
+        names = broadcast_object(names, info)
+        mine = {
+            name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            for name in names[info.rank :: info.world_size]
+        }
+        files = {}
+        for part in gather_objects(mine, info):
+            files.update(part)
+        failure = None
+        if info.is_main:
+            try:
+                manifest = {"format": FORMAT, "step": step, **about, "files": dict(sorted(files.items()))}
+                _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+                _fsync_dir(tmp)
+                if final.exists():  # a checkpoint of this step from an abandoned history (see check_resume)
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _fsync_dir(self.dir)  # make the rename itself durable
+            except OSError as err:
+                failure = str(err)
+        return broadcast_object(failure, info)
+
+
+def _pickled(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _reason(err: BaseException) -> str:
+    """The OS error under a DCP failure, if there is one (ENOSPC reads better than DCP's wrapper)."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(err).__name__}: {err}"
 
 
 # Keys a resumed run must share with its checkpoint: the model's function (every model.* key but those
@@ -307,20 +378,16 @@ def _get(config: dict, key: str):
     return config
 
 
-def check_resume(manifest: dict, config: dict, world_size: int, path: Path) -> None:
+def check_resume(manifest: dict, config: dict, path: Path) -> None:
     """Refuse to resume checkpoint `path` with a config that would not continue its run, naming every
-    difference: the model's architecture, the optimiser, the data stream, the seed, the world size."""
+    difference: the model's architecture, the optimiser, the data stream, the seed. The number of ranks and
+    the parallel mode may change: the data stream and the tensors do not depend on them."""
     saved = manifest["config"]
     diffs = [
         f"{key}: checkpoint {_get(saved, key)!r} vs config {_get(config, key)!r}"
         for key in _fixed_keys(config)
         if _get(saved, key) != _get(config, key)
     ]
-    if manifest["world_size"] != world_size:
-        diffs.append(
-            f"world size: checkpoint {manifest['world_size']} ranks vs {world_size} now "
-            "(an exact resume replays every rank's data stream)"
-        )
     if diffs:
         raise CheckpointMismatch(
             f"checkpoint {path} cannot be continued by this config: {'; '.join(diffs)}. "

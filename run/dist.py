@@ -1,7 +1,6 @@
-"""Distributed set-up for `torchrun` (NCCL on GPU, gloo on CPU) and the few collectives a run needs.
-
-Gradients are averaged by hand after the last micro-step rather than by DDP: the compiled model stays
-one graph (DDP would split it at bucket boundaries) and there is one flat all-reduce per step.
+"""Distributed set-up for `torchrun` (NCCL on GPU, gloo on CPU; ranks and world size from the
+environment, on one node or many) and the few collectives of the run's bookkeeping. The gradients'
+collectives belong to the parallel mode (run/parallel.py).
 """
 
 import os
@@ -39,7 +38,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def init_distributed(device_name: str) -> DistInfo:
+def init_distributed(device_name: str, group_of_one: bool = False) -> DistInfo:
+    """This process's rank and device; the process group when there are several ranks, or a group of one
+    with `group_of_one` (FSDP2 needs a group even alone)."""
     device = resolve_device(device_name)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -47,36 +48,22 @@ def init_distributed(device_name: str) -> DistInfo:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
     if world_size > 1:
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
-        )
+        dist.init_process_group(backend, device_id=device_id)
+    elif group_of_one:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
     return DistInfo(rank, local_rank, world_size, device)
 
 
 def shutdown(info: DistInfo) -> None:
-    if info.enabled and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()
-
-
-@torch.no_grad()
-def average_gradients(params, info: DistInfo) -> None:
-    """Average .grad over ranks with one flat all-reduce (gloo has no AVG, so SUM then scale)."""
-    if not info.enabled:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= info.world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def gather_objects(obj, info: DistInfo) -> list:

@@ -24,11 +24,13 @@ from run.checkpoint import (
 )
 from run.dist import DistInfo, broadcast_object
 from run.lock import RunLock, RunLocked
+from run.parallel import check_mode as check_parallel
 
 
 def check_config(cfg, info: DistInfo) -> None:
     """Every check the config allows before any data, model or checkpoint work."""
     check_data_config(cfg.data)
+    check_parallel(cfg.parallel)
     micro = cfg.data.tokens_per_micro_batch * info.world_size
     if cfg.total_batch_tokens <= 0 or cfg.total_batch_tokens % micro:
         raise ConfigError(
@@ -81,7 +83,8 @@ def take_lock(run_dir: Path, info: DistInfo) -> RunLock | None:
 
 def find_resume(cfg, checkpointer: Checkpointer, info: DistInfo) -> Loaded | None:
     """The checkpoint to continue from, verified and checked against the config: `resume=` if given,
-    else the newest valid one in run_dir. Rank 0 picks it (skipping damaged ones), every rank loads it."""
+    else the newest valid one in run_dir. Rank 0 picks and verifies it (skipping damaged ones), every rank
+    loads its run state."""
     picked, error = None, None
     if info.is_main:
         try:
@@ -100,7 +103,7 @@ def find_resume(cfg, checkpointer: Checkpointer, info: DistInfo) -> Loaded | Non
                 loaded = checkpointer.latest_valid()
             if loaded is not None:
                 config = OmegaConf.to_container(cfg, resolve=True)
-                check_resume(loaded.manifest, config, info.world_size, loaded.path)
+                check_resume(loaded.manifest, config, loaded.path)
                 picked = loaded.path
         except (CheckpointInvalid, CheckpointMismatch) as err:
             error = err
@@ -109,4 +112,4 @@ def find_resume(cfg, checkpointer: Checkpointer, info: DistInfo) -> Loaded | Non
         raise error
     if picked is None:
         return None
-    return loaded if info.is_main else load(picked)
+    return loaded if info.is_main else load(picked, verify_files=False)

@@ -12,7 +12,9 @@ head_dim * max_seqlen FLOPs per token, i.e. full attention over every row, wheth
 with only the in-document attention work counted; peak memory; compile time (the first step's time
 beyond a steady step); recompiles after the first step; and the share of step time spent waiting for data.
 The table goes to benchmarks/train_<device>.json (h100, h200, ...: the GPU's model), with
-`model.fp8=<mode>` to benchmarks/train_fp8_<mode>_<device>.json, or to `+out=`.
+`model.fp8=<mode>` to benchmarks/train_fp8_<mode>_<device>.json and with `parallel=fsdp` to
+benchmarks/train_fsdp_<device>.json, or to `+out=`. One process: with `parallel=fsdp`, FSDP2 over a group
+of one (its per-block compile and hooks, no communication).
 """
 
 import gc
@@ -37,6 +39,7 @@ from model.gpt import GPT  # noqa: E402
 from model.optim import build_optimizers  # noqa: E402
 from run.determinism import configure_determinism  # noqa: E402
 from run.dist import init_distributed  # noqa: E402
+from run.parallel import parallelize  # noqa: E402
 from run.preflight import check_config  # noqa: E402
 from train import train_step  # noqa: E402
 
@@ -58,8 +61,8 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
     device = info.device
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, data.vocab_size, backend, cfg.data.max_seqlen).to(device)
+    parallel = parallelize(model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward)
     optimizers = build_optimizers(model, cfg.optim)
-    forward = torch.compile(model, fullgraph=True, dynamic=False) if cfg.compile else model
     loader = PackedLoader(data, cfg.data, split="train", rank=0, world_size=1, seed=cfg.seed, device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     accum = cfg.total_batch_tokens // cfg.data.tokens_per_micro_batch
@@ -71,7 +74,7 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
 
     def timed_step():
         t0 = time.perf_counter()
-        result = train_step(forward, model, loader, optimizers, accum, autocast, info, cfg.optim.grad_clip)
+        result = train_step(parallel, loader, optimizers, accum, autocast, info, cfg.optim.grad_clip)
         loss = result.loss.item()  # waits for the GPU
         return time.perf_counter() - t0, result, loss
 
@@ -135,7 +138,7 @@ def release_memory() -> None:
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg) -> None:
     configure_determinism(cfg.deterministic)
-    info = init_distributed(cfg.device)
+    info = init_distributed(cfg.device, group_of_one=cfg.parallel == "fsdp")
     check_config(cfg, info)
     models = [str(m) for m in cfg.get("models", ["d12", "d20"])]
     backends = list(cfg.get("backends", ["triton", "flex", "torch_varlen", "sdpa_packed"]))
@@ -157,6 +160,7 @@ def main(cfg) -> None:
         "torch": torch.__version__,
         "triton": importlib.metadata.version("triton"),
         "deterministic": cfg.deterministic,
+        "parallel": cfg.parallel,
         "fp8": cfg.model.fp8,
         "fused": [key for key in ("fused_mlp", "fused_rope_norm", "fused_residual") if cfg.model[key]],
         "tokens_per_micro_batch": cfg.data.tokens_per_micro_batch,
@@ -183,7 +187,8 @@ def main(cfg) -> None:
             f"{r['compile_s']:>9.1f} {r['recompiles']:>6} {r['data_share']:>7.2%}"
         )
     fp8 = "" if cfg.model.fp8 == "none" else f"fp8_{cfg.model.fp8}_"
-    name = f"train_{fp8}{device_slug(env['device'])}.json"
+    fsdp = "fsdp_" if cfg.parallel == "fsdp" else ""
+    name = f"train_{fp8}{fsdp}{device_slug(env['device'])}.json"
     default = Path(__file__).resolve().parents[1] / "benchmarks" / name
     out = Path(cfg.get("out") or default)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from run.checkpoint import read_model_state
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,8 +113,7 @@ def logged_steps(run_dir: Path) -> int:
 
 
 def final_weights(run_dir: Path, step: int) -> dict:
-    state = torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "state.pt", weights_only=False)
-    return state["model"]
+    return read_model_state(run_dir / "checkpoints" / f"step_{step:06d}")
 
 
 def assert_same_run(run_dir: Path, reference: Path, step: int) -> None:

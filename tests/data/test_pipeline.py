@@ -300,8 +300,16 @@ def test_loader_state_of_another_stream_is_refused(data_prepared):
     state = PackedLoader(prepared, cfg, seed=1).state_dict()
     with pytest.raises(DataError, match="seed=1"):
         PackedLoader(prepared, cfg, seed=2).load_state_dict(state)
-    with pytest.raises(DataError, match="world_size"):
-        PackedLoader(prepared, cfg, seed=1, rank=0, world_size=2).load_state_dict(state)
+    # Any number of ranks continues the stream, from a whole number of rounds: one buffer into it, two
+    # ranks would take each other's buffers.
+    PackedLoader(prepared, cfg, seed=1, rank=1, world_size=2).load_state_dict(state)
+    one_in = PackedLoader(prepared, cfg, seed=1)
+    next(one_in)
+    with pytest.raises(
+        DataError, match="1 buffers into the stream, not a whole number of rounds of world_size=2"
+    ):
+        PackedLoader(prepared, cfg, seed=1, rank=0, world_size=2).load_state_dict(one_in.state_dict())
+    one_in.close()
 
 
 def test_stats_report_packing(data_prepared):

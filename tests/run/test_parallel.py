@@ -1,0 +1,411 @@
+"""`parallel=ddp` and `parallel=fsdp` end to end: train.py under torchrun with gloo ranks on the CPU, against
+the uninterrupted single-process run of the same global batch. Both modes train what one process trains;
+their checkpoints (torch.distributed.checkpoint folders) resume bit for bit with the same ranks and mode,
+and within float rounding on another number of ranks or in the other mode; a SIGKILL of every rank in the
+middle of a save leaves the previous checkpoint to resume from.
+
+Every run here is 8 steps of the tiny `small_run` model with a constant learning rate
+(optim.warmdown_ratio=0), so that a run cut in two by max_steps=4 then max_steps=8 takes the same steps as
+the uninterrupted one. The reference runs are made once per module (`Runs`)."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train_helpers import (
+    ROOT,
+    assert_same_run,
+    final_weights,
+    logged_steps,
+    metrics,
+    run_train,
+    small_run,
+    train_env,
+    wait_for,
+)
+
+STEPS = 8
+HALF = 4
+FIXED_LR = ("optim.warmdown_ratio=0",)
+TIMEOUT = 300  # a run that hangs (a collective no rank answers) fails instead of eating the CI's budget
+REL = 1e-4
+# Final weights, per tensor: |a - b| / |b|. Losses agree to 1e-5 but weights less: the output projections
+# start at zero and Muon orthogonalises their first updates, whose small singular directions are rounding
+# (FSDP's reduce-scatter sums in another order than one process), so they drift by a few percent.
+WEIGHTS_REL = 0.1
+
+
+# ---- running train.py ------------------------------------------------------------------------------
+
+
+def overrides(corpus, run_dir: Path, mode: str, steps: int, batch: int, *extra) -> list[str]:
+    return small_run(
+        corpus,
+        run_dir,
+        f"max_steps={steps}",
+        "save_every=4",
+        # An evaluation and a sample where a split run's first half ends, as in the uninterrupted run.
+        "eval_every=4",
+        "sample_every=4",
+        # Whole buffers on every rank: each rank evaluates at least one buffer of its own, so with fewer
+        # eval_tokens than ranks * tokens_per_micro_batch more ranks would see more validation tokens.
+        f"eval_tokens={batch}",
+        f"total_batch_tokens={batch}",
+        f"parallel={mode}",
+        *FIXED_LR,
+        *extra,
+    )
+
+
+def train(corpus, run_dir: Path, procs: int, mode: str, steps: int = STEPS, batch: int = 512, *extra):
+    """train.py in one plain process (procs=1) or under torchrun with `procs` gloo ranks."""
+    args = overrides(corpus, run_dir, mode, steps, batch, *extra)
+    if procs == 1:
+        return run_train(args, timeout=TIMEOUT)
+    return run_train(([], args), torchrun_procs=procs, timeout=TIMEOUT)
+
+
+class Runs:
+    """Runs shared by the tests of this module, each made once, on first use, and never written to after."""
+
+    def __init__(self, corpus, root: Path):
+        self.corpus, self.root, self.done = corpus, root, {}
+
+    def get(self, procs: int, mode: str = "ddp", steps: int = STEPS, batch: int = 512, *extra) -> Path:
+        key = (procs, mode, steps, batch, *extra)
+        if key not in self.done:
+            name = "-".join(str(k).replace("=", "_").replace("/", "_") for k in key)
+            run_dir = self.root / name
+            train(self.corpus, run_dir, procs, mode, steps, batch, *extra)
+            self.done[key] = run_dir
+        return self.done[key]
+
+    def copy(self, dest: Path, *key) -> Path:
+        """A copy of a shared run's folder (checkpoints and metrics), to be continued by a test."""
+        shutil.copytree(self.get(*key), dest)
+        return dest
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    return Runs(corpus, tmp_path_factory.mktemp("parallel_runs"))
+
+
+# ---- comparing runs ----------------------------------------------------------------------------------
+
+
+def assert_close_run(got_dir: Path, want_dir: Path, steps: int = STEPS, weights_rel: float = WEIGHTS_REL):
+    """Every step's loss and every evaluation within float rounding (rel 1e-4) of the reference, grad
+    norms within 1e-3; steps 1..steps, once each; the final weights close (relative norm of the
+    difference, per tensor)."""
+    got, want = metrics(got_dir), metrics(want_dir)
+    assert [r["step"] for r in got] == list(range(1, steps + 1)), [r["step"] for r in got]
+    assert [r["step"] for r in want] == list(range(1, steps + 1))
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=REL), (a["step"], a["loss"], b["loss"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=10 * REL), (a["step"], a, b)
+        assert ("val_loss" in a) == ("val_loss" in b), a["step"]
+        if "val_loss" in b:
+            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=REL), (a["step"], a, b)
+            assert a["val_bpb"] == pytest.approx(b["val_bpb"], rel=REL), (a["step"], a, b)
+        assert a["tokens_seen"] == b["tokens_seen"]
+    # The losses are not all alike: the comparison says something (the model learns over the steps).
+    assert want[-1]["loss"] < 0.9 * want[0]["loss"]
+    mine, theirs = final_weights(got_dir, steps), final_weights(want_dir, steps)
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        assert mine[name].shape == theirs[name].shape, name
+        rel = ((mine[name] - theirs[name]).norm() / theirs[name].norm()).item()
+        assert rel <= weights_rel, (name, rel)
+
+
+def checkpoint(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def dcp_metadata(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def assert_checkpoint_layout(path: Path, world_size: int, mode: str) -> None:
+    """A DCP folder: `.metadata`, one `__<rank>_0.distcp` per rank, `run_state.pt` and a manifest that
+    names the world size and mode and hashes every other file."""
+    names = sorted(p.name for p in path.iterdir())
+    shards = [f"__{r}_0.distcp" for r in range(world_size)]
+    assert names == sorted([".metadata", "manifest.json", "run_state.pt", *shards]), names
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["world_size"] == world_size and manifest["parallel"] == mode
+    assert manifest["config"]["parallel"] == mode
+    assert sorted(manifest["files"]) == sorted(n for n in names if n != "manifest.json")
+    for name, entry in manifest["files"].items():
+        data = (path / name).read_bytes()
+        assert entry["size"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest(), name
+
+
+def model_chunks(path: Path) -> dict[str, int]:
+    """How many pieces each model tensor of a checkpoint was saved in (one per rank holding a shard)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        key: len(entry.chunks)
+        for key, entry in dcp_metadata(path).items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def resumed_line(proc, run_dir: Path, step: int, procs: int, mode: str) -> bool:
+    """Rank 0 says which checkpoint it resumed from, and with how many ranks and which mode it was written."""
+    said = f"resumed from {checkpoint(run_dir, step)} at step {step} (written by {procs} rank"
+    return any(said in line and f"parallel={mode})" in line for line in proc.stdout.splitlines())
+
+
+# ---- the two modes train what one process trains ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_match_the_single_process_run(runs, mode):
+    single, ranks = runs.get(1), runs.get(2, mode)
+    assert_close_run(ranks, single)
+    for step in (HALF, STEPS):
+        assert_checkpoint_layout(checkpoint(ranks, step), 2, mode)
+    assert_checkpoint_layout(checkpoint(single, STEPS), 1, "ddp")
+    chunks = model_chunks(checkpoint(ranks, STEPS))
+    assert chunks and chunks.keys() == model_chunks(checkpoint(single, STEPS)).keys()
+    if mode == "fsdp":
+        # Sharded: every parameter (all have a first dimension divisible by 2 here) in one piece per rank.
+        assert set(chunks.values()) == {2}, chunks
+    else:
+        assert set(chunks.values()) == {1}, chunks  # every rank holds it whole; written once
+
+
+def test_four_fsdp_ranks_match_the_single_process_run(runs):
+    """total_batch_tokens=1024: one micro-batch per rank and step on 4 ranks, 4 in one process."""
+    single, ranks = runs.get(1, "ddp", STEPS, 1024), runs.get(4, "fsdp", STEPS, 1024)
+    assert_close_run(ranks, single)
+    assert_checkpoint_layout(checkpoint(ranks, STEPS), 4, "fsdp")
+    assert set(model_chunks(checkpoint(ranks, STEPS)).values()) == {4}
+
+
+@pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)], ids=["ddp", "fsdp"])
+def test_two_compiled_ranks_match_the_compiled_single_process_run(runs, mode):
+    steps = HALF  # compiling on 2 CPU cores is most of the time: fewer steps (a save and eval at the end)
+    single = runs.get(1, "ddp", steps, 512, "compile=true")
+    ranks = runs.get(2, mode, steps, 512, "compile=true")
+    assert_close_run(ranks, single, steps)
+    # Compiled and eager agree too (the compiled model is the same function).
+    eager = runs.get(1, "ddp", steps, 512)
+    for a, b in zip(metrics(ranks), metrics(eager), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), a["step"]
+
+
+# ---- resuming -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_resume_with_the_same_ranks_and_mode_is_bitwise(runs, tmp_path, corpus, mode):
+    run_dir = runs.copy(tmp_path / "run", 2, mode, HALF)
+    proc = train(corpus, run_dir, 2, mode)
+    assert resumed_line(proc, run_dir, HALF, 2, mode), proc.stdout
+    assert_same_run(run_dir, runs.get(2, mode), STEPS)
+
+
+# (ranks, mode) of the first half, (ranks, mode) of the second, total_batch_tokens.
+RESHARDS = {
+    "ddp2-to-1": ((2, "ddp"), (1, "ddp"), 512),
+    "1-to-ddp2": ((1, "ddp"), (2, "ddp"), 512),
+    "ddp2-to-ddp4": ((2, "ddp"), (4, "ddp"), 1024),
+    "ddp2-to-fsdp2": ((2, "ddp"), (2, "fsdp"), 512),
+    "fsdp2-to-1": ((2, "fsdp"), (1, "ddp"), 512),
+}
+
+
+@pytest.mark.parametrize("case", list(RESHARDS))
+def test_resume_on_other_ranks_or_mode_continues_the_run(runs, tmp_path, corpus, case):
+    (procs_a, mode_a), (procs_b, mode_b), batch = RESHARDS[case]
+    run_dir = runs.copy(tmp_path / "run", procs_a, mode_a, HALF, batch)
+    proc = train(corpus, run_dir, procs_b, mode_b, STEPS, batch)
+    assert resumed_line(proc, run_dir, HALF, procs_a, mode_a), proc.stdout
+    # Steps 1..8, once each; all within rounding of the uninterrupted single process run (the first half
+    # is the shared run's own, the second half is what this test checks).
+    reference = runs.get(1, "ddp", STEPS, batch)
+    assert_close_run(run_dir, reference)
+    got = metrics(run_dir)
+    assert [r["tokens_seen"] for r in got] == [batch * s for s in range(1, STEPS + 1)]
+    assert_checkpoint_layout(checkpoint(run_dir, STEPS), procs_b, mode_b)
+
+
+# ---- SIGKILL of every rank around and inside a save ----------------------------------------------------
+
+
+def start_torchrun(procs: int, args: list[str], log: Path) -> subprocess.Popen:
+    """torchrun in the background, in its own session, its ranks' output and its own into `log`."""
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={procs}",
+                "train.py",
+                *args,
+            ],
+            cwd=ROOT,
+            env=train_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def kill_everything(proc: subprocess.Popen) -> None:
+    """SIGKILL every rank (each runs in its own session under torchrun) and torchrun itself, at once: what a
+    lost node does."""
+    ranks = children(proc.pid) if proc.poll() is None else []
+    for pid in ranks:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for pid in ranks:  # reaped by init: wait until gone, so the next run starts on a quiet machine
+        for _ in range(2000):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            status = Path(f"/proc/{pid}/stat")
+            if status.exists() and status.read_text().split(") ")[-1].startswith("Z"):
+                break
+            time.sleep(0.005)
+
+
+def temporaries(run_dir: Path) -> list[Path]:
+    folder = run_dir / "checkpoints"
+    return [p for p in folder.iterdir() if ".tmp-" in p.name] if folder.is_dir() else []
+
+
+def steps_saved(run_dir: Path) -> list[str]:
+    folder = run_dir / "checkpoints"
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("step_")) if folder.is_dir() else []
+
+
+def kill_trigger(point: str, run_dir: Path, log: Path):
+    """When to kill: after a logged step, once a new checkpoint is renamed into place, or inside a save
+    (a temporary folder of this run, holding the named file if any). Only once this run is set up (its
+    "model:" line printed): by then it has cut the killed run's metrics back to its checkpoint."""
+
+    def started() -> bool:
+        return "model: " in log.read_text()
+
+    if point.startswith("step "):
+        n = int(point.split()[1])
+        return lambda: started() and logged_steps(run_dir) >= n
+    if point == "renamed":
+        before = set(steps_saved(run_dir))
+        return lambda: bool(set(steps_saved(run_dir)) - before)
+    stale = {p.name for p in temporaries(run_dir)}  # left by the previous kill, removed by this run's start
+    inside = {
+        "saving": None,
+        "a shard written": "__1_0.distcp",
+        "metadata written": ".metadata",
+        "run state written": "run_state.pt",
+        "manifest written": "manifest.json",
+    }[point]
+
+    def hit() -> bool:
+        try:
+            return any(
+                t.name not in stale and (inside is None or (t / inside).exists())
+                for t in temporaries(run_dir)
+            )
+        except FileNotFoundError:  # a folder renamed or removed while listed
+            return False
+
+    return hit
+
+
+def assert_checkpoints_intact(run_dir: Path) -> None:
+    """Whatever the kill interrupted, every folder under a checkpoint's name verifies (hashes and all)."""
+    from run.checkpoint import verify
+
+    for name in steps_saved(run_dir):
+        if name.endswith(".damaged"):
+            continue
+        verify(run_dir / "checkpoints" / name)
+
+
+def kill_and_resume(runs, tmp_path, corpus, mode: str, points: list[str]) -> None:
+    run_dir = tmp_path / "run"
+    # A save every 2 steps (4 in the run): the kill points meet saves often. Losses do not depend on it.
+    args = overrides(corpus, run_dir, mode, STEPS, 512, "save_every=2", "keep_last=2")
+    orphans_removed, inside_saves = 0, 0
+    for i, point in enumerate(points):
+        log = tmp_path / f"log{i}"
+        proc = start_torchrun(2, args, log)
+        try:
+            wait_for(kill_trigger(point, run_dir, log), proc, f"kill point {point!r}", timeout=TIMEOUT)
+        finally:
+            kill_everything(proc)
+        inside_saves += bool(temporaries(run_dir)) and not point.startswith(("step", "renamed"))
+        assert_checkpoints_intact(run_dir)
+        orphans_removed += "left by a save that never finished" in log.read_text()
+    proc = run_train(([], args), torchrun_procs=2, timeout=TIMEOUT)
+    orphans_removed += "left by a save that never finished" in proc.stderr
+    # The last kill's newest checkpoint is where the run went on from; then steps 1..8 exactly as the
+    # uninterrupted run of the same ranks and mode.
+    assert "resumed from" in proc.stdout
+    assert_same_run(run_dir, runs.get(2, mode), STEPS)
+    assert inside_saves >= 1, "no kill landed inside a save"
+    assert orphans_removed >= 1, "no restart found the temporary folder of a killed save"
+    assert temporaries(run_dir) == []
+
+
+# Three points inside saves (each sends the restart back to the checkpoint before) and one between saves.
+KILLS_CI = ["saving", "metadata written", "manifest written", "step 5"]
+KILLS_SLOW = [
+    "saving",
+    "a shard written",
+    "metadata written",
+    "run state written",
+    "manifest written",
+    "renamed",
+    "step 5",
+    "saving",
+    "run state written",
+    "renamed",
+]
+
+
+def test_sigkill_of_every_rank_around_and_inside_saves_resumes_bitwise(runs, tmp_path, corpus):
+    kill_and_resume(runs, tmp_path, corpus, "ddp", KILLS_CI)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_sigkill_at_every_point_of_a_save_resumes_bitwise(runs, tmp_path, corpus, mode):
+    kill_and_resume(runs, tmp_path, corpus, mode, KILLS_SLOW)
