@@ -154,9 +154,10 @@ class PackedLoader:
                     "it only resumes the same data, split, seed and packing settings"
                 )
         if state["packer"]["buffer"] % self.world_size:
+            buffers = state["packer"]["buffer"]
             raise DataError(
-                f"this loader state is {state['packer']['buffer']} buffers into the stream, not a whole number "
-                f"of rounds of world_size={self.world_size}: rank {self.rank} would take another rank's buffers"
+                f"this loader state is {buffers} buffers into the stream, not a whole number of rounds of "
+                f"world_size={self.world_size}: rank {self.rank} would take another rank's buffers"
             )
         self._stop()
         self.packer.load_state(state["packer"])

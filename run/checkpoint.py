@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from run.dist import DistInfo, broadcast_object, gather_objects
@@ -298,7 +299,7 @@ class Checkpointer:
                 dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
             if self.info.is_main:
                 _write_durably(tmp / RUN_STATE, _pickled(run_state))
-        except Exception as err:  # OSError, or DCP's CheckpointException carrying one from any rank
+        except (Exception, CheckpointException) as err:  # DCP's carries each failing rank's error
             failure = _reason(err)
         failures = [f for f in gather_objects(failure, self.info) if f is not None]
         return failures[0] if failures else None
@@ -337,13 +338,19 @@ def _pickled(obj) -> bytes:
 
 
 def _reason(err: BaseException) -> str:
-    """The OS error under a DCP failure, if there is one (ENOSPC reads better than DCP's wrapper)."""
-    seen = err
-    while seen is not None:
-        if isinstance(seen, OSError):
-            return str(seen)
-        seen = seen.__cause__ or seen.__context__
-    return f"{type(err).__name__}: {err}"
+    """Why a save failed: the OS error under it where there is one (ENOSPC reads better than DCP's
+    wrapper). An interrupt that DCP wrapped is raised again: it stops the run, as anywhere else."""
+    causes = [exc for exc, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
+    for cause in causes:
+        if not isinstance(cause, Exception):
+            raise cause
+    for cause in causes:
+        seen = cause
+        while seen is not None:
+            if isinstance(seen, OSError):
+                return str(seen)
+            seen = seen.__cause__ or seen.__context__
+    return f"{type(causes[0]).__name__}: {causes[0]}"
 
 
 # Keys a resumed run must share with its checkpoint: the model's function (every model.* key but those

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from run.checkpoint import MANIFEST, RUN_STATE
 from tests.train_helpers import (
     ROOT,
     assert_same_run,
@@ -124,7 +125,8 @@ def test_signal_before_training_starts_exits_at_once_with_a_message(tmp_path, co
 
 
 # Where each SIGKILL lands, one after the other on the same run_dir, each restart going on from whatever
-# the last one left: mid-interval, inside a save (temporary folder made, state written, manifest written),
+# the last one left: mid-interval, inside a save (temporary folder made, tensors and run state written,
+# manifest written),
 # right after a checkpoint's rename, and right after a step that saves was logged.
 KILLS_CI = ["step 3", "saving", "state written", "step 10", "manifest written", "renamed", "step 20"]
 # Around every save but the last: a step before it, then each point inside it (a kill inside a save sends
@@ -143,7 +145,7 @@ def kill_trigger(point: str, run_dir, pid: int):
     if point == "renamed":
         before = set(steps_saved(run_dir))
         return lambda: bool(set(steps_saved(run_dir)) - before)
-    inside = {"saving": None, "state written": "state.pt", "manifest written": "manifest.json"}[point]
+    inside = {"saving": None, "state written": RUN_STATE, "manifest written": MANIFEST}[point]
     return lambda: any(inside is None or (t / inside).exists() for t in temporaries(run_dir, pid))
 
 
@@ -184,7 +186,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus
     run_dir = tmp_path / "run"
     fixed_lr = ("optim.warmdown_ratio=0", "keep_last=3")  # max_steps changes below, the schedule must not
     run_train(small_run(corpus, run_dir, "max_steps=24", *fixed_lr))
-    newest = checkpoint_dir(run_dir) / "step_000024" / "state.pt"
+    newest = checkpoint_dir(run_dir) / "step_000024" / "__0_0.distcp"  # the tensors, as DCP writes them
     os.truncate(newest, newest.stat().st_size // 3)
     # Ask for more steps: the restart goes back to step 20 and trains 21-28.
     proc = run_train(small_run(corpus, run_dir, "max_steps=28", *fixed_lr))
@@ -193,7 +195,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus
     extended = tmp_path / "extended"
     run_train(small_run(corpus, extended, "max_steps=28", *fixed_lr))
     assert_same_run(run_dir, extended, 28)
-    assert (checkpoint_dir(run_dir) / "step_000024.damaged" / "state.pt").exists()  # kept, not deleted
+    assert (checkpoint_dir(run_dir) / "step_000024.damaged" / "__0_0.distcp").exists()  # kept, not deleted
 
 
 def test_torn_metrics_line_is_dropped_and_the_run_goes_on(tmp_path, corpus, reference):
@@ -236,7 +238,7 @@ def test_full_disk_during_a_save_training_goes_on_and_resume_works(tmp_path, cor
         proc.kill()
         proc.wait()
         log = (tmp_path / "log").read_text()
-        assert "not written ([Errno 28] No space left on device" in log
+        assert "not written: [Errno 28] No space left on device" in log
         assert "Training goes on" in log
         assert temporaries(run_dir) == []  # the failed save cleaned up after itself
         run_train(small_run(corpus, run_dir, *LONG))

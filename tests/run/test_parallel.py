@@ -363,32 +363,48 @@ def kill_and_resume(runs, tmp_path, corpus, mode: str, points: list[str]) -> Non
     run_dir = tmp_path / "run"
     # A save every 2 steps (4 in the run): the kill points meet saves often. Losses do not depend on it.
     args = overrides(corpus, run_dir, mode, STEPS, 512, "save_every=2", "keep_last=2")
-    orphans_removed, inside_saves = 0, 0
-    for i, point in enumerate(points):
+    orphans_removed, inside_saves, resumed_after_inside = 0, 0, 0
+    newest, inside = None, False  # the newest checkpoint left by the last kill; whether it was in a save
+    for i, point in enumerate(points + ["the end"]):
         log = tmp_path / f"log{i}"
-        proc = start_torchrun(2, args, log)
-        try:
-            wait_for(kill_trigger(point, run_dir, log), proc, f"kill point {point!r}", timeout=TIMEOUT)
-        finally:
-            kill_everything(proc)
-        inside_saves += bool(temporaries(run_dir)) and not point.startswith(("step", "renamed"))
+        if point == "the end":
+            proc = run_train(([], args), torchrun_procs=2, timeout=TIMEOUT)
+            log.write_text(proc.stdout + proc.stderr)
+        else:
+            proc = start_torchrun(2, args, log)
+            try:
+                wait_for(kill_trigger(point, run_dir, log), proc, f"kill point {point!r}", timeout=TIMEOUT)
+            finally:
+                kill_everything(proc)
+        text = log.read_text()
+        orphans_removed += "left by a save that never finished" in text
+        if newest is not None:
+            # Every restart goes on from the newest checkpoint the kill left: after a kill inside a save,
+            # the one before that save.
+            assert f"resumed from {run_dir / 'checkpoints' / newest} at step {int(newest[5:])}" in text, (
+                point,
+                text[-3000:],
+            )
+            resumed_after_inside += inside
+        if point == "the end":
+            break
+        inside = bool(temporaries(run_dir)) and not point.startswith(("step", "renamed"))
+        inside_saves += inside
         assert_checkpoints_intact(run_dir)
-        orphans_removed += "left by a save that never finished" in log.read_text()
-    proc = run_train(([], args), torchrun_procs=2, timeout=TIMEOUT)
-    orphans_removed += "left by a save that never finished" in proc.stderr
-    # The last kill's newest checkpoint is where the run went on from; then steps 1..8 exactly as the
-    # uninterrupted run of the same ranks and mode.
-    assert "resumed from" in proc.stdout
+        newest = max((n for n in steps_saved(run_dir) if n[5:].isdigit()), default=None)
+    # Steps 1..8 exactly as the uninterrupted run of the same ranks and mode.
     assert_same_run(run_dir, runs.get(2, mode), STEPS)
     assert inside_saves >= 1, "no kill landed inside a save"
+    assert resumed_after_inside >= 1, "no kill inside a save had an earlier checkpoint to go back to"
     assert orphans_removed >= 1, "no restart found the temporary folder of a killed save"
     assert temporaries(run_dir) == []
 
 
-# Three points inside saves (each sends the restart back to the checkpoint before) and one between saves.
-KILLS_CI = ["saving", "metadata written", "manifest written", "step 5"]
+# After a checkpoint exists (step 3: step 2 saved), two points inside the next save (its folder just made,
+# its manifest written): each restart goes back to step 2. KILLS_SLOW has every point.
+KILLS_CI = ["step 3", "saving", "manifest written"]
 KILLS_SLOW = [
-    "saving",
+    "saving",  # the first save: no checkpoint to go back to, the restart starts afresh
     "a shard written",
     "metadata written",
     "run state written",
