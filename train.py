@@ -142,7 +142,10 @@ def train(cfg, info: DistInfo, checkpointer: Checkpointer, resume: Loaded | None
         report(run, record, progress)
         stopping = stop.requested()
         if due(run.step, cfg.save_every, cfg.max_steps) or stopping:
-            saved = save(run, checkpointer)
+            background = cfg.async_save and not stopping and run.step < cfg.max_steps
+            saved = save(run, checkpointer, background) or background  # the last save is never background
+        else:
+            checkpointer.poll()  # seals a background save once written
         if stopping:
             if info.is_main:
                 outcome = f"checkpoint {checkpointer.path(run.step)} written" if saved else "its save FAILED"
@@ -310,8 +313,9 @@ def report(run: Training, record: dict, progress: Progress) -> None:
         raise FloatingPointError(f"loss is {record['loss']} at step {run.step}")
 
 
-def save(run: Training, checkpointer: Checkpointer) -> bool:
-    """Checkpoint this step, every rank writing its part; whether it was written."""
+def save(run: Training, checkpointer: Checkpointer, background: bool = False) -> bool:
+    """Checkpoint this step, every rank writing its part; whether it was written (False for a background
+    save, which the checkpointer seals later)."""
     info = run.info
     run_state = {
         "step": run.step,
@@ -328,7 +332,7 @@ def save(run: Training, checkpointer: Checkpointer) -> bool:
         "tokenizer_id": run.data.tokenizer_id,
     }
     tensors = model_state(run.model, run.optimizers)
-    return checkpointer.save(run.step, tensors, run_state, about) is not None
+    return checkpointer.save(run.step, tensors, run_state, about, background) is not None
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")

@@ -91,6 +91,10 @@ class TrainConfig:
     total_batch_tokens: int = 4096  # tokens per optimiser step, over all ranks and micro-steps
     save_every: int = 100
     keep_last: int = 2  # checkpoints kept in run_dir
+    # Write checkpoints in the background (torch.distributed.checkpoint.async_save): a save costs one copy
+    # of the state to host memory, and training goes on while a thread writes it. The last save and saves
+    # on a stop signal are written before the run moves on.
+    async_save: bool = False
     eval_every: int = 100
     eval_tokens: int = 32768  # validation tokens per evaluation
     sample_every: int = 100

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from run.dist import DistInfo, broadcast_object, gather_objects
+from run.dist import DistInfo, any_rank, broadcast_object, gather_objects
 
 FORMAT = "varlen-gpt-checkpoint/2"
 RUN_STATE = "run_state.pt"
@@ -49,6 +49,9 @@ _NAME = re.compile(r"^step_(\d{6,})$")
 _TEMPORARY = re.compile(r"^\.step_\d{6,}\.tmp-\d+$")
 _READ_CHUNK = 16 << 20
 _SINGLE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+# DCP warns whenever one process saves or loads without a process group, which is what it does here (the
+# warning also comes from background saves' threads, beyond a local filter's reach).
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointMismatch(ValueError):
@@ -184,9 +187,7 @@ def _distributed() -> bool:
 def read_tensors(path: Path, state: dict) -> None:
     """Fill `state` (tensors and DTensors, nested in dicts, as it was saved) in place from checkpoint
     `path`: each rank reads what its tensors hold, whatever the number of ranks that wrote it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not _distributed())
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not _distributed())
 
 
 def read_model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -198,9 +199,7 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
         for key, entry in entries.items()
         if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
+    dcp.load(state, storage_reader=reader, no_dist=True)
     return {key.removeprefix("model."): tensor for key, tensor in state.items()}
 
 
@@ -214,6 +213,7 @@ class Checkpointer:
         self.dir = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.info = info
+        self._pending, self._future, self._group = None, None, None
 
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step:06d}"
@@ -248,30 +248,59 @@ class Checkpointer:
                 )
         return None
 
-    def save(self, step: int, tensors: dict, run_state: dict, about: dict) -> Path | None:
+    def save(
+        self, step: int, tensors: dict, run_state: dict, about: dict, background: bool = False
+    ) -> Path | None:
         """Write checkpoint `step` atomically and prune to keep_last; every rank calls it. `tensors` (the
         model and optimisers, sharded or not) go through DCP, `run_state` (rank 0's) into run_state.pt,
-        `about` (config, world size, shape, tokenizer) into the manifest. Returns None on every rank, with
-        a warning, when it could not be written."""
+        `about` (config, world size, shape, tokenizer) into the manifest. Returns the folder, or None on
+        every rank, with a warning, when it could not be written.
+
+        With `background`, the tensors are copied to host memory and written by a thread while training
+        goes on: it returns None at once, and `poll` (each step) or the next save seals the folder once
+        every rank's part is written. A crash before then leaves only a temporary folder."""
+        self.poll(block=True)  # one save at a time, in order
         info, final = self.info, self.path(step)
         tmp = final.with_name(f".{final.name}.tmp-{broadcast_object(os.getpid(), info)}")
         failure = None
         if info.is_main:
             failure = self._prepare(tmp, _state_bytes(tensors))
         failure = broadcast_object(failure, info)
-        if failure is None:
+        if failure is None and background:
+            failure = self._start(tmp, tensors, run_state)
+            if failure is None:
+                self._pending = (tmp, final, step, about)
+                return None
+        elif failure is None:
             failure = self._write(tmp, tensors, run_state)
+        return self._finish(tmp, final, step, about, failure)
+
+    def poll(self, block: bool = False) -> Path | None:
+        """Seal the background save once every rank has written its part (with `block`, wait for it);
+        the folder it wrote, or None (none finished, or it failed, with a warning)."""
+        if self._pending is None or (not block and any_rank(not self._future.done(), self.info)):
+            return None
+        (tmp, final, step, about), self._pending = self._pending, None
+        failure = None
+        try:
+            self._future.result()
+        except (Exception, CheckpointException) as err:
+            failure = _reason(err)
+        failures = [f for f in gather_objects(failure, self.info) if f is not None]
+        return self._finish(tmp, final, step, about, failures[0] if failures else None)
+
+    def _finish(self, tmp: Path, final: Path, step: int, about: dict, failure: str | None) -> Path | None:
         if failure is None:
             failure = self._seal(tmp, final, step, about)
         if failure is not None:
-            if info.is_main:
+            if self.info.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 warnings.warn(
                     f"checkpoint {final} not written: {failure}. Training goes on; the next save tries again",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             return None
-        if info.is_main:
+        if self.info.is_main:
             for old in [p for p in self.all() if step_of(p) <= step][: -self.keep_last]:
                 shutil.rmtree(old)
         return final
@@ -294,12 +323,30 @@ class Checkpointer:
         """Every rank: its DCP shards, and rank 0 the run state; the first failure of any rank."""
         failure = None
         try:
-            with warnings.catch_warnings():  # DCP warns that one process saves alone: so it does here
-                warnings.filterwarnings("ignore", "torch.distributed is disabled")
-                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
             if self.info.is_main:
                 _write_durably(tmp / RUN_STATE, _pickled(run_state))
         except (Exception, CheckpointException) as err:  # DCP's carries each failing rank's error
+            failure = _reason(err)
+        failures = [f for f in gather_objects(failure, self.info) if f is not None]
+        return failures[0] if failures else None
+
+    def _start(self, tmp: Path, tensors: dict, run_state: dict) -> str | None:
+        """Every rank: stage its tensors and start writing them in a thread; rank 0 writes the run state."""
+        failure = None
+        try:
+            if _distributed() and self._group is None:
+                # The writing thread's collectives run on a gloo group of their own, not on the training's.
+                self._group = dist.new_group(backend="gloo")
+            self._future = dcp.async_save(
+                tensors,
+                storage_writer=dcp.FileSystemWriter(tmp),
+                process_group=self._group,
+                no_dist=not _distributed(),
+            )
+            if self.info.is_main:
+                _write_durably(tmp / RUN_STATE, _pickled(run_state))
+        except (Exception, CheckpointException) as err:
             failure = _reason(err)
         failures = [f for f in gather_objects(failure, self.info) if f is not None]
         return failures[0] if failures else None

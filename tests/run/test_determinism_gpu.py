@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from tests.train_helpers import assert_same_run, logged_steps, run_train, start_train, wait_for
+from tests.train_helpers import assert_same_run, final_weights, logged_steps, run_train, start_train, wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -56,3 +56,19 @@ def test_d12_fp8_runs_are_bitwise_identical(tmp_path):
     for run_dir in (a, b):
         run_train([short.get(arg, arg) for arg in d12_run(run_dir, cache)] + ["model.fp8=tensorwise"])
     assert_same_run(b, a, 6)
+
+
+def test_d12_background_saves_hold_the_bits_of_synchronous_ones(tmp_path):
+    """async_save=true on the GPU: the state is staged to host memory before the next step changes it, and
+    the writing thread's collectives run on their own gloo group."""
+    cache = tmp_path / "cache"
+    short = {"max_steps=20": "max_steps=6", "save_every=10": "save_every=2", "eval_every=20": "eval_every=6"}
+    short["sample_every=20"] = "sample_every=6"
+    runs = {}
+    for name, extra in (("sync", []), ("async", ["async_save=true"])):
+        runs[name] = tmp_path / name
+        run_train([short.get(arg, arg) for arg in d12_run(runs[name], cache)] + extra)
+    assert_same_run(runs["async"], runs["sync"], 6)
+    for step in (4, 6):  # keep_last=2
+        got, want = final_weights(runs["async"], step), final_weights(runs["sync"], step)
+        assert all(torch.equal(got[k], want[k]) for k in want), step

@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from run.checkpoint import read_model_state, verify
 from tests.train_helpers import (
     ROOT,
     assert_same_run,
@@ -219,6 +221,20 @@ def test_resume_with_the_same_ranks_and_mode_is_bitwise(runs, tmp_path, corpus, 
     assert_same_run(run_dir, runs.get(2, mode), STEPS)
 
 
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_background_saves_write_the_same_checkpoints_and_the_same_run(runs, mode):
+    """async_save=true: checkpoints written by a thread while training goes on hold the same bits as the
+    synchronous saves of the same run, every one verifies, and the run itself is unchanged."""
+    background = runs.get(2, mode, STEPS, 512, "async_save=true")
+    plain = runs.get(2, mode)
+    assert_same_run(background, plain, STEPS)
+    assert steps_saved(background) == steps_saved(plain) and temporaries(background) == []
+    for name in steps_saved(background):
+        verify(background / "checkpoints" / name)
+        got, want = (read_model_state(run / "checkpoints" / name) for run in (background, plain))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+
+
 # (ranks, mode) of the first half, (ranks, mode) of the second, total_batch_tokens.
 RESHARDS = {
     "ddp2-to-1": ((2, "ddp"), (1, "ddp"), 512),
@@ -351,7 +367,6 @@ def kill_trigger(point: str, run_dir: Path, log: Path):
 
 def assert_checkpoints_intact(run_dir: Path) -> None:
     """Whatever the kill interrupted, every folder under a checkpoint's name verifies (hashes and all)."""
-    from run.checkpoint import verify
 
     for name in steps_saved(run_dir):
         if name.endswith(".damaged"):
