@@ -173,6 +173,7 @@ def test_sigkill_at_many_points_resumes_bitwise(tmp_path, corpus, reference):
     kill_and_resume(tmp_path, corpus, reference, KILLS_CI)
 
 
+@pytest.mark.slow
 def test_sigkill_with_background_saves_resumes_bitwise(tmp_path, corpus, reference):
     """async_save=true: kills while a thread writes a checkpoint (or before it is sealed) leave the earlier
     ones usable, and the run ends with the bits of the uninterrupted one, whose saves were synchronous."""
