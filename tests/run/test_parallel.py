@@ -264,7 +264,7 @@ def test_resume_on_other_ranks_or_mode_continues_the_run(runs, tmp_path, corpus,
 
 
 def start_torchrun(procs: int, args: list[str], log: Path) -> subprocess.Popen:
-    """torchrun in the background, in its own session, its ranks' output and its own into `log`."""
+    """torchrun in the background, in a process group of its own, its ranks' output and its own into `log`."""
     with open(log, "w") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
             [
@@ -280,7 +280,7 @@ def start_torchrun(procs: int, args: list[str], log: Path) -> subprocess.Popen:
             env=train_env(),
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,
         )
 
 
@@ -295,8 +295,8 @@ def children(pid: int) -> list[int]:
 
 
 def kill_everything(proc: subprocess.Popen) -> None:
-    """SIGKILL every rank (each runs in its own session under torchrun) and torchrun itself, at once: what a
-    lost node does."""
+    """SIGKILL every rank (torchrun makes each the leader of a process group) and torchrun itself, at once:
+    what a lost node does."""
     ranks = children(proc.pid) if proc.poll() is None else []
     for pid in ranks:
         try:
