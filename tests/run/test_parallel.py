@@ -198,7 +198,8 @@ def test_four_fsdp_ranks_match_the_single_process_run(runs):
     assert set(model_chunks(checkpoint(ranks, STEPS)).values()) == {4}
 
 
-@pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)], ids=["ddp", "fsdp"])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_compiled_ranks_match_the_compiled_single_process_run(runs, mode):
     steps = HALF  # compiling on 2 CPU cores is most of the time: fewer steps (a save and eval at the end)
     single = runs.get(1, "ddp", steps, 512, "compile=true")
