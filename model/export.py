@@ -1,5 +1,6 @@
 """A trained model as one file: its weights in safetensors, with everything needed to run it in the file's
 metadata (the model config, vocabulary size, max_seqlen, the tokenizer, the step it was trained to).
+`load_model` opens a model from such a file, a checkpoint folder or a run_dir alike.
 
 Unlike a checkpoint (run/checkpoint.py: optimiser states, the data stream, every rank's RNG, in as many
 files as ranks), an export loads with no run_dir, no data cache and no process group, on any device.
@@ -10,6 +11,7 @@ data/tokenizer.py's canonical JSON.
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import safetensors
@@ -18,10 +20,13 @@ import tiktoken
 import torch
 from omegaconf import OmegaConf
 
+from configs.data_schema import DataConfig
 from configs.schema import ModelConfig
+from data import DataError, Prepared, prepare
 from data import tokenizer as tok
 from model.attention import default_backend
 from model.gpt import GPT
+from run.checkpoint import MANIFEST, Checkpointer, CheckpointInvalid, read_model_state, verify
 
 FORMAT = "varlen-gpt-export/1"
 
@@ -141,19 +146,83 @@ def read_metadata(path: str | Path) -> dict:
 def load_export(path: str | Path, device="cpu") -> tuple[GPT, tiktoken.Encoding, dict]:
     """(the GPT in eval mode on `device`, with the device's default attention backend; its tokenizer; the
     metadata of read_metadata less the tokenizer's JSON). Weights load strictly: every name and shape."""
-    path, device = Path(path), torch.device(device)
+    path = Path(path)
     meta = read_metadata(path)
     enc = tok.from_json(meta.pop("tokenizer"))
-    cfg = load_model_config(meta["model_config"])
     try:
         state = safetensors.torch.load_file(path)
     except Exception as err:
         raise ExportInvalid(f"{path}: its weights do not load, truncated or damaged? ({err})") from None
-    model = GPT(cfg, meta["vocab_size"], default_backend(device), meta["max_seqlen"])
+    return _build(path, state, meta, device), enc, meta
+
+
+def _build(path: Path, state: dict, meta: dict, device) -> GPT:
+    device = torch.device(device)
+    model = GPT(
+        load_model_config(meta["model_config"]),
+        meta["vocab_size"],
+        default_backend(device),
+        meta["max_seqlen"],
+    )
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
         raise ExportInvalid(
             f"{path}: its weights do not fit the model its metadata describes ({err})"
         ) from None
-    return model.to(device).eval(), enc, meta
+    return model.to(device).eval()
+
+
+def find_checkpoint(source: Path) -> tuple[Path, dict]:
+    """(checkpoint folder, its verified manifest): `source` itself if it is a checkpoint, else the newest
+    valid checkpoint of the run_dir `source`."""
+    if (source / MANIFEST).is_file():
+        return source, verify(source)
+    candidates = Checkpointer(source, keep_last=1).all()
+    if not candidates:
+        raise CheckpointInvalid(f"{source} is neither a checkpoint folder nor a run_dir with checkpoints")
+    for path in reversed(candidates):
+        try:
+            return path, verify(path)
+        except CheckpointInvalid as err:
+            print(f"skipping {path}: {err}", file=sys.stderr, flush=True)
+    raise CheckpointInvalid(f"no checkpoint of {source} verifies (see above)")
+
+
+def run_data(path: Path, manifest: dict) -> Prepared:
+    """The prepared data (hence tokenizer) the checkpoint's run trained on, checked to be the same."""
+    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), manifest["config"]["data"])
+    try:
+        data = prepare(cfg, build=False)
+    except DataError as err:
+        raise DataError(
+            f"the tokenizer of {path} is in the data cache its run used (data.source={cfg.source!r}, "
+            f"data.cache_dir={cfg.cache_dir!r}), which cannot be opened: {err}"
+        ) from None
+    if data.tokenizer_id != manifest["tokenizer_id"]:
+        raise DataError(
+            f"{path} was trained with tokenizer {manifest['tokenizer_id']}, but {data.folder} holds "
+            f"{data.tokenizer_id}"
+        )
+    return data
+
+
+def load_model(source: str | Path, device="cpu") -> tuple[GPT, tiktoken.Encoding, dict]:
+    """load_export's (model, tokenizer, metadata) from an export file, a checkpoint folder or a run_dir (its
+    newest checkpoint that verifies). A checkpoint's tokenizer comes from its run's data cache (run_data);
+    its metadata has load_export's keys, `extra` holding the checkpoint's path and run config."""
+    source = Path(source)
+    if source.is_file():
+        return load_export(source, device)
+    path, manifest = find_checkpoint(source)
+    data = run_data(path, manifest)
+    config = manifest["config"]
+    meta = {
+        "format": manifest["format"],
+        "model_config": config["model"],
+        "vocab_size": manifest["shape"]["vocab_size"],
+        "max_seqlen": config["data"]["max_seqlen"],
+        "step": manifest["step"],
+        "extra": {"checkpoint": str(path), "data": config["data"]},
+    }
+    return _build(path, read_model_state(path), meta, device), data.tokenizer, meta

@@ -15,47 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omegaconf import OmegaConf  # noqa: E402
-
-from configs.data_schema import DataConfig  # noqa: E402
-from data import DataError, Prepared, prepare  # noqa: E402
+from data import DataError  # noqa: E402
 from data import tokenizer as tok  # noqa: E402
-from model.export import ExportInvalid, save_export  # noqa: E402
-from run.checkpoint import MANIFEST, Checkpointer, CheckpointInvalid, read_model_state, verify  # noqa: E402
-
-
-def find_checkpoint(source: Path) -> tuple[Path, dict]:
-    """(checkpoint folder, its verified manifest): `source` itself if it is a checkpoint, else the newest
-    valid checkpoint of the run_dir `source`."""
-    if (source / MANIFEST).is_file():
-        return source, verify(source)
-    candidates = Checkpointer(source, keep_last=1).all()
-    if not candidates:
-        raise CheckpointInvalid(f"{source} is neither a checkpoint folder nor a run_dir with checkpoints")
-    for path in reversed(candidates):
-        try:
-            return path, verify(path)
-        except CheckpointInvalid as err:
-            print(f"skipping {path}: {err}", file=sys.stderr, flush=True)
-    raise CheckpointInvalid(f"no checkpoint of {source} verifies (see above)")
-
-
-def run_data(path: Path, manifest: dict) -> Prepared:
-    """The prepared data (hence tokenizer) the checkpoint's run trained on, checked to be the same."""
-    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), manifest["config"]["data"])
-    try:
-        data = prepare(cfg, build=False)
-    except DataError as err:
-        raise DataError(
-            f"the tokenizer of {path} is in the data cache its run used (data.source={cfg.source!r}, "
-            f"data.cache_dir={cfg.cache_dir!r}), which cannot be opened: {err}"
-        ) from None
-    if data.tokenizer_id != manifest["tokenizer_id"]:
-        raise DataError(
-            f"{path} was trained with tokenizer {manifest['tokenizer_id']}, but {data.folder} holds "
-            f"{data.tokenizer_id}"
-        )
-    return data
+from model.export import ExportInvalid, find_checkpoint, run_data, save_export  # noqa: E402
+from run.checkpoint import CheckpointInvalid, read_model_state  # noqa: E402
 
 
 def main() -> None:
