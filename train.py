@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from configs.schema import ConfigError, register_configs
 from data import DataError, PackedLoader, Prepared, prepare
+from eval.core import evaluate_core, load_for_run
 from eval.loss import evaluate, token_bytes
 from eval.metrics import MetricsLogError, Progress, RunLogger, attention_flops, peak_flops
 from eval.sample import generate
@@ -123,6 +124,7 @@ class Training:
 
 def train(cfg, info: DistInfo, checkpointer: Checkpointer, resume: Loaded | None, stop: GracefulStop) -> int:
     """Train to max_steps or to a stop signal; the exit code (1 if the last checkpoint failed to save)."""
+    core_tasks = load_for_run(cfg)  # before any work: a missing or broken eval bundle stops the run here
     run = set_up(cfg, info, resume)
     progress = Progress(cfg.max_steps, run.step, cfg.log_every, enabled=info.is_main)
     clip, saved = cfg.optim.grad_clip, True
@@ -137,6 +139,8 @@ def train(cfg, info: DistInfo, checkpointer: Checkpointer, resume: Loaded | None
         record = step_metrics(run, result, lr_mult, t0)
         if due(run.step, cfg.eval_every, cfg.max_steps):
             record.update(validate(run, progress))
+        if cfg.core_every and due(run.step, cfg.core_every, cfg.max_steps):
+            record.update(core(run, core_tasks, progress))
         if due(run.step, cfg.sample_every, cfg.max_steps) and (info.is_main or cfg.parallel == "fsdp"):
             record["sample"] = sample(run, progress)
         report(run, record, progress)
@@ -171,7 +175,8 @@ def set_up(cfg, info: DistInfo, resume: Loaded | None) -> Training:
     model = GPT(cfg.model, data.vocab_size, attention, cfg.data.max_seqlen).to(device)
     # Evaluation compiles too: eager FlexAttention would materialise the [T, T] scores.
     parallel = parallelize(model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward)
-    optimizers = build_optimizers(model, cfg.optim)  # after sharding: they hold the sharded parameters
+    # After sharding: they hold the sharded parameters.
+    optimizers = build_optimizers(model, cfg.optim, shard=cfg.parallel == "zero")
     step, tokens_seen, wandb_id = 0, 0, None
     if resume is not None:
         step, tokens_seen, wandb_id = restore(resume, model, optimizers, loader, data, info)
@@ -287,6 +292,16 @@ def validate(run: Training, progress: Progress) -> dict:
     return result
 
 
+def core(run: Training, tasks: list, progress: Progress) -> dict:
+    """The CORE metric (eval/core.py), each rank scoring its share of the items; `core` and `core/<task>`
+    (centred scores) for the record."""
+    with run.autocast:
+        result = evaluate_core(run.model, run.data.tokenizer, tasks, run.cfg.core.batch_tokens, run.info)
+    if run.info.is_main:
+        progress.write(f"step {run.step}: CORE {result.core:.4f}")
+    return result.metrics()
+
+
 def sample(run: Training, progress: Progress) -> str:
     """A continuation of sample_prompt, seeded by the step so that a resumed run repeats it: on rank 0, or
     under fsdp on every rank alike (each forward gathers the weights from all)."""
@@ -340,7 +355,7 @@ def main(cfg) -> None:
     warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     info, lock = None, None
     try:
-        info = init_distributed(cfg.device, group_of_one=cfg.parallel == "fsdp")
+        info = init_distributed(cfg.device, group_of_one=cfg.parallel in ("zero", "fsdp"))
         with GracefulStop(info) as stop:
             check_config(cfg, info)
             configure_determinism(cfg.deterministic)  # before any CUDA product: it sets cuBLAS's workspace

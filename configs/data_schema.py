@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 @dataclass
 class DataConfig:
-    # "stdlib" (embedded default), a Hub dataset name, or local parquet/jsonl/txt files (file, folder, glob);
-    # jsonl/json may be .gz or .zst.
+    # "stdlib" (embedded default), a Hub dataset name, hf://datasets/... files, or local parquet/jsonl/txt
+    # files (file, folder, glob); jsonl/json may be .gz or .zst.
     source: str = "stdlib"
     text_column: str = "text"  # column holding the document text (txt files: always "text")
     hub_config: str | None = None  # Hub sources: the dataset's config (subset) name

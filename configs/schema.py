@@ -79,11 +79,24 @@ class WandbConfig:
 
 
 @dataclass
+class CoreConfig:
+    """The CORE benchmark (eval/core.py): scripts/eval.py, and train.py every core_every steps."""
+
+    # The unzipped eval bundle (core.yaml, eval_meta_data.csv, eval_data/), downloaded once by the user.
+    bundle_dir: str = "~/.cache/varlen-gpt/eval_bundle"
+    max_per_task: int = 0  # items per task, the same ones for every model (a seeded shuffle); 0: all
+    # Tokens per packed forward. Its logits ([batch_tokens, vocab] in fp32, 1 GB at 8,192 x 32,768) exist
+    # at once; at least data.max_seqlen, a multiple of 64.
+    batch_tokens: int = 8192
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    core: CoreConfig = field(default_factory=CoreConfig)
 
     run_dir: str = "runs/default"
     resume: str | None = None  # a checkpoint path; by default the latest one in run_dir
@@ -97,6 +110,7 @@ class TrainConfig:
     async_save: bool = False
     eval_every: int = 100
     eval_tokens: int = 32768  # validation tokens per evaluation
+    core_every: int = 0  # steps between CORE evaluations (core.*) and at the last step; 0: never
     sample_every: int = 100
     sample_prompt: str = "def "
     sample_tokens: int = 48
@@ -105,8 +119,10 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = True
     # How ranks share the work (run/parallel.py): ddp (every rank holds the whole model; gradients are
-    # all-reduced in buckets while the backward runs) or fsdp (FSDP2: weights, gradients and optimiser
-    # states sharded over ranks, each block's weights gathered for its forward and backward).
+    # all-reduced in buckets while the backward runs), zero (as ddp, but each rank keeps and steps the
+    # optimiser states of its share of the parameters, then broadcasts them) or fsdp (FSDP2: weights,
+    # gradients and optimiser states sharded over ranks, each block's weights gathered for its forward and
+    # backward).
     parallel: str = "ddp"
     # fsdp: free each block's gathered weights after its forward and gather them again for the backward
     # (less memory, one more all-gather per block).
@@ -124,3 +140,4 @@ def register_configs() -> None:
     cs.store(group="model", name="schema", node=ModelConfig)
     cs.store(group="data", name="schema", node=DataConfig)
     cs.store(group="optim", name="schema", node=OptimConfig)
+    cs.store(group="core", name="schema", node=CoreConfig)

@@ -1,4 +1,5 @@
-"""Document sources: the embedded stdlib corpus, local parquet/jsonl/txt files, or a Hub dataset.
+"""Document sources: the embedded stdlib corpus, local parquet/jsonl/txt files, a Hub dataset, or files of a
+Hub repository by `hf://` path.
 
 A source yields (doc_id, text) in a fixed order. Local files and Hub datasets are read through the
 `datasets` library, streaming (nothing is copied into its cache). The embedded default, "stdlib", is
@@ -46,7 +47,8 @@ class Source:
     kind: str  # stdlib | parquet | json | text | hub
     text_column: str
     files: list[Path] = field(default_factory=list)
-    hub: dict = field(default_factory=dict)  # name, config, split, revision
+    # A Hub dataset: name, config, split, revision; hf:// files: the path (glob) and their format.
+    hub: dict = field(default_factory=dict)
     root: Path | None = None  # stdlib: the folder the relative paths start from
     undecodable: int = 0  # stdlib documents whose invalid UTF-8 bytes became U+FFFD (set while reading)
 
@@ -55,8 +57,8 @@ class Source:
         """A short, file-name-safe label for the cache folder."""
         if self.kind == "stdlib":
             return "stdlib"
-        if self.kind == "hub":
-            raw = self.hub["name"]
+        if self.kind == "hub":  # hf://datasets/<owner>/<name>[@revision]/...: the dataset's name
+            raw = self.hub["name"] if "name" in self.hub else self.spec.split("/")[4].split("@")[0]
         else:  # the last path component without glob characters: "corpora/imdb/*.parquet" -> "imdb"
             plain = list(takewhile(lambda part: not _magic(part), Path(self.spec).parts))
             raw = Path(plain[-1]).stem if plain else ""
@@ -116,6 +118,9 @@ class Source:
                 raise _unreadable(self.kind, group, self.text_column, err) from err
 
     def _hub_texts(self) -> Iterator[str | None]:
+        if "files" in self.hub:
+            yield from self._hub_file_texts()
+            return
         import datasets
 
         name = self.hub["name"]
@@ -141,10 +146,37 @@ class Source:
         except Exception as err:
             raise DataError(f"data.source={self.spec!r}: reading the Hub dataset failed: {err}") from err
 
+    def _hub_file_texts(self) -> Iterator[str | None]:
+        import datasets
+
+        kind = self.hub["format"]
+        options = {"columns": [self.text_column]} if kind == "parquet" else {}
+        if kind == "text":
+            options = {"sample_by": "document"}
+        try:
+            ds = datasets.load_dataset(kind, data_files=self.spec, split="train", streaming=True, **options)
+            yield from _texts(ds, self.text_column, self.spec)
+        except DataError:
+            raise
+        except Exception as err:
+            raise DataError(
+                f"data.source={self.spec!r}: reading these Hub files failed ({type(err).__name__}: {err}); "
+                "hf:// paths need a network, and their repository, revision and files must exist"
+            ) from err
+
 
 def open_source(cfg) -> Source:
-    """Resolve data.source into a Source; local paths are checked now, Hub datasets when first read."""
+    """Resolve data.source into a Source; local paths are checked now, Hub datasets and hf:// files when
+    first read."""
     spec = cfg.source
+    if spec.startswith("hf://"):
+        parts = spec.split("/")
+        if len(parts) < 6 or parts[2] != "datasets" or file_kind(Path(spec)) is None:
+            raise DataError(
+                f"data.source={spec!r}: an hf:// source is hf://datasets/<owner>/<name>[@revision]/<path or "
+                f"glob> of {FORMATS} files"
+            )
+        return Source(spec, "hub", cfg.text_column, hub={"files": spec, "format": file_kind(Path(spec))})
     if spec == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         excluded = {"site-packages", "dist-packages"}

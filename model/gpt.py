@@ -4,11 +4,15 @@ and a ReLU^2 MLP, an untied output head with logit soft-capping. No biases; RMSN
 It runs on one packed buffer of T tokens (several documents one after another) described by the
 batch contract of data/: input_ids [T], position_ids [T], cu_seqlens [N + 1], max_seqlen.
 
+Generation runs on a KVCache: `prefill` runs a prompt as one document through the attention backend and
+keeps every layer's keys and values; `decode` then feeds one token at a time, attending to them.
+
 Init (nanochat's): embedding ~ N(0, 1); q/k/v and MLP input matrices ~ U(-a, a) with
 a = sqrt(3 / width), i.e. std 1/sqrt(width); both output projections of every block start at zero, so
 each block starts as the identity; the head ~ N(0, 0.001) so the first logits are near uniform.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -108,6 +112,19 @@ class CausalSelfAttention(nn.Module):
             return residual_linear(residual, y, self.c_proj.weight)
         return residual + linear(y, self.c_proj.weight, self.fp8)
 
+    def decode(self, x, residual, rotary, cache: "LayerCache"):
+        """forward for one new token x [1, C], whose keys and values join the cache: the plain PyTorch
+        products, as the fused operators are made for many tokens."""
+        s = self.shape
+        q = linear(x, self.c_q.weight, self.fp8).view(1, s.n_head, s.head_dim)
+        k = linear(x, self.c_k.weight, self.fp8).view(1, s.n_kv_head, s.head_dim)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k = rms_norm(q), rms_norm(k)
+        v = linear(x, self.c_v.weight, self.fp8).view(1, s.n_kv_head, s.head_dim)
+        cache.store(k, v)
+        y = cache.attend(q, self.window).reshape(1, -1)
+        return residual + linear(y, self.c_proj.weight, self.fp8)
+
 
 class MLP(nn.Module):
     def __init__(self, n_embd: int, fused: bool, fp8: str):
@@ -123,6 +140,11 @@ class MLP(nn.Module):
             from kernels.fused import relu2_mlp
 
             return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)
+        h = F.relu(linear(rms_norm(x), self.c_fc.weight, self.fp8)).square()
+        return x + linear(h, self.c_proj.weight, self.fp8)
+
+    def decode(self, x):
+        """forward for one token, in plain PyTorch products."""
         h = F.relu(linear(rms_norm(x), self.c_fc.weight, self.fp8)).square()
         return x + linear(h, self.c_proj.weight, self.fp8)
 
@@ -155,7 +177,11 @@ class Block(nn.Module):
         )
         self.mlp = MLP(shape.n_embd, bool(cfg.fused_mlp), fp8)
 
-    def forward(self, x, rotary, attention, ctx):
+    def forward(self, x, rotary, attention, ctx, cache: "LayerCache | None" = None):
+        """With a `cache` (GPT.decode), x is one new token attending to the cached keys and values; the
+        decode step runs through here too, so that FSDP2's hooks on the block gather its weights."""
+        if cache is not None:
+            return self.mlp.decode(self.attn.decode(rms_norm(x), x, rotary, cache))
         x = self.attn(rms_norm(x), x, rotary, attention, ctx)  # x + attention
         return self.mlp(x)  # x + MLP
 
@@ -167,6 +193,135 @@ def layer_windows(pattern: str, short_window: int, n_layer: int) -> list[int]:
     windows = [short_window if pattern[i % len(pattern)] == "S" else -1 for i in range(n_layer)]
     windows[-1] = -1
     return windows
+
+
+class KVCache:
+    """Every layer's keys and values of one sequence, for generation (GPT.prefill and GPT.decode); `length`
+    positions are filled, at most `capacity`. The buffers are allocated once, for the whole capacity, by the
+    first prefill, in the keys' dtype (bf16 under autocast), zeroed (a masked slot must not hold a NaN, which
+    a zero attention weight would still spread), and reused after a reset. A plain class: FSDP2 rebuilds the
+    dataclasses among a forward's arguments, and the caller must keep its own cache.
+
+    The decode step has fixed shapes: it attends over the whole capacity with a mask, and reads the token's
+    position from a device tensor, so that nothing in it waits for the host. With `compile`, the step runs
+    through torch.compile and, on CUDA, is captured once in a CUDA graph and replayed for every token (one
+    launch instead of hundreds); the graph is captured again for another model or autocast setting. Leave it
+    off where the blocks' hooks must run (FSDP2 gathers each block's weights in them)."""
+
+    def __init__(self, shape: GPTShape, capacity: int, compile: bool = False):
+        self.shape, self.capacity, self.compile, self.length = shape, capacity, compile, 0
+        self.k = self.v = None  # per layer: [n_kv_head, capacity, head_dim]
+        self.position = self.slots = None  # [1]: the decoded token's position; [capacity]: 0..capacity-1
+        self.graph = self.graph_key = self.graph_token = self.graph_logits = None
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values [n, n_kv_head, head_dim] of the n tokens at the cache's end."""
+        if self.k is None:
+            s = self.shape
+            size = (s.n_kv_head, self.capacity, s.head_dim)
+            self.k = [k.new_zeros(size) for _ in range(s.n_layer)]
+            self.v = [v.new_zeros(size) for _ in range(s.n_layer)]
+            self.position = torch.zeros(1, dtype=torch.long, device=k.device)
+            self.slots = torch.arange(self.capacity, device=k.device)
+        start = self.length
+        self.k[layer][:, start : start + k.shape[0]] = k.transpose(0, 1)
+        self.v[layer][:, start : start + v.shape[0]] = v.transpose(0, 1)
+
+    def step(self, model: "GPT", input_ids: torch.Tensor) -> torch.Tensor:
+        """decode_step's logits for the token input_ids [1] at `position`: eager, compiled, or replayed."""
+        args = (self.position, self.slots, self.k, self.v)
+        if not self.compile:
+            return decode_step(model, input_ids, *args)
+        step = compiled_decode_step()
+        if not input_ids.is_cuda:
+            return step(model, input_ids, *args)
+        key = (model, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        if self.graph is None or self.graph_key != key:
+            self.capture(step, model, input_ids, key)
+        self.graph_token.copy_(input_ids)
+        self.graph.replay()
+        return self.graph_logits.clone()  # the graph's output is overwritten by the next replay
+
+    def capture(self, step, model: "GPT", input_ids: torch.Tensor, key: tuple) -> None:
+        """Capture `step` for this token and position in a CUDA graph, after warm-up calls (the first one
+        compiles) on a side stream, as capture requires. Each call writes this token's keys and values to
+        its slot, which the replay then writes again alike."""
+        self.graph = None  # an older graph's memory goes before the new one takes its own
+        self.graph_token = input_ids.clone()
+        args = (model, self.graph_token, self.position, self.slots, self.k, self.v)
+        side = torch.cuda.Stream(device=input_ids.device)
+        side.wait_stream(torch.cuda.current_stream(input_ids.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(*args)
+        torch.cuda.current_stream(input_ids.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.graph_logits = step(*args)
+        self.graph, self.graph_key = graph, key
+
+
+class LayerCache:
+    """One layer's keys and values [n_kv_head, capacity, head_dim] in a decode step, which stores the new
+    token's at `position` [1] and attends over every slot, masked to those the token sees."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, slots: torch.Tensor):
+        self.k, self.v, self.position, self.slots = k, v, position, slots
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values [1, n_kv_head, head_dim] of the token at `position`."""
+        self.k.index_copy_(1, self.position, k.transpose(0, 1))
+        self.v.index_copy_(1, self.position, v.transpose(0, 1))
+
+    def attend(self, q: torch.Tensor, window: int) -> torch.Tensor:
+        """Attention [1, H, D] of the query q [1, H, D] of the token just stored over the keys it sees: all
+        before it, or those at most `window` positions back. Later slots (empty, or left from an earlier
+        sequence) are masked out."""
+        visible = self.slots <= self.position
+        if window >= 0:
+            visible = visible & (self.slots >= self.position - window)
+        n_kv_head, _, head_dim = self.k.shape
+        # Each K/V head's group of query heads as that head's queries: GQA without repeating K and V (query
+        # head h reads K/V head h // group, as the varlen kernels do).
+        q = q.view(1, n_kv_head, -1, head_dim)
+        y = F.scaled_dot_product_attention(q, self.k[None], self.v[None], attn_mask=visible.view(1, 1, 1, -1))
+        return y.reshape(1, -1, head_dim)
+
+
+def decode_step(model: "GPT", input_ids, position, slots, keys: list, values: list) -> torch.Tensor:
+    """The logits [V] after the token input_ids [1] at `position` [1], which attends to the cached keys and
+    values (`keys`, `values`: each layer's) and adds its own. Tensors only in and out, of the same shapes at
+    every position: one compiled graph serves every step and every cache of the same size. Each block runs
+    through its __call__, so that FSDP2's hooks gather its weights."""
+    rotary = model.rotary_cos[position][:, None, :], model.rotary_sin[position][:, None, :]
+    x = rms_norm(model.wte(input_ids))
+    device = input_ids.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
+    for block, k, v in zip(model.blocks, keys, values, strict=True):
+        x = block(x, rotary, None, None, cache=LayerCache(k, v, position, slots))
+    logits = softcap(model.lm_head(rms_norm(x)), model.logit_softcap)
+    return logits[0, : model.shape.vocab_size]
+
+
+@functools.cache
+def compiled_decode_step():
+    """decode_step compiled once per process: fixed shapes, one graph (its guards keep one per model)."""
+    return torch.compile(decode_step, fullgraph=True, dynamic=False)
+
+
+class _Prefill:
+    """The attention backend, storing each layer's keys and values in the cache on the way."""
+
+    def __init__(self, attention: Attention, cache: KVCache, layer: int):
+        self.attention, self.cache, self.layer = attention, cache, layer
+
+    def attend(self, q, k, v, ctx: dict, window: int) -> torch.Tensor:
+        self.cache.store(self.layer, k, v)
+        return self.attention.attend(q, k, v, ctx, window)
 
 
 class GPT(nn.Module):
@@ -239,6 +394,50 @@ class GPT(nn.Module):
             hc, tc = h[start : start + chunk], targets[start : start + chunk]
             out.append(chunk_losses(hc, w, tc, self.logit_softcap)[-1])
         return torch.cat(out)
+
+    @torch.no_grad()
+    def prefill(self, input_ids, cache: KVCache) -> torch.Tensor:
+        """The logits [V] of the token after input_ids [n], run as one document at positions 0..n-1 through
+        the attention backend; the cache, emptied first, then holds their keys and values. A context longer
+        than the model's max_seqlen is the caller's to cut (see eval/sample.py)."""
+        n = input_ids.shape[0]
+        if cache.shape != self.shape:
+            raise ValueError(f"the cache is shaped for {cache.shape}, not this model's {self.shape}")
+        if cache.capacity > self.max_seqlen:
+            raise ValueError(f"a cache of {cache.capacity} positions outruns max_seqlen={self.max_seqlen}")
+        if not 1 <= n <= cache.capacity:
+            raise ValueError(f"a prompt of {n} tokens does not fit the cache's {cache.capacity} positions")
+        cache.reset()
+        rotary = self.rotary_cos[:n, None, :], self.rotary_sin[:n, None, :]
+        x = rms_norm(self.wte(input_ids))
+        device = input_ids.device.type
+        if torch.is_autocast_enabled(device):
+            x = x.to(torch.get_autocast_dtype(device))
+        cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=input_ids.device)
+        ctx = self.attention.prepare(cu_seqlens, n, n)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rotary, _Prefill(self.attention, cache, i), ctx)
+        cache.length = n
+        logits = softcap(self.lm_head(rms_norm(x[-1:])), self.logit_softcap)
+        return logits[0, : self.shape.vocab_size]
+
+    @torch.no_grad()
+    def decode(self, input_ids, cache: KVCache) -> torch.Tensor:
+        """The logits [V] of the token after input_ids [1] (on the model's device), the token at position
+        cache.length, which attends to the cached keys and values and adds its own (decode_step). Nothing
+        here waits for the GPU."""
+        if input_ids.shape != (1,):
+            raise ValueError(f"decode takes one token, not input_ids of shape {tuple(input_ids.shape)}")
+        if cache.k is None:
+            raise ValueError("decode continues a prefilled cache: call prefill first")
+        if cache.length >= cache.capacity:
+            raise ValueError(
+                f"{cache.length} cached + 1 new tokens exceed the cache's {cache.capacity} positions"
+            )
+        cache.position.fill_(cache.length)
+        logits = cache.step(self, input_ids)
+        cache.length += 1
+        return logits
 
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (the embedding is a lookup)."""

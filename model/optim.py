@@ -3,12 +3,17 @@
 "muon" (nanochat's recipe): Muon for the 2D matrices inside the blocks, AdamW for the embedding and
 the head, whose learning rates scale with (width / 768) ** -0.5. "adamw": AdamW for everything.
 Under parallel=ddp every rank holds all parameters and the same averaged gradients and steps the whole
-model. Under parallel=fsdp the parameters, gradients and states are DTensor shards: AdamW is elementwise
-and steps each rank's shard; Muon keeps its momentum sharded and gathers each whole matrix only to
-orthogonalise it, which gives the single-process update.
+model. Under parallel=zero each optimiser is torch's ZeroRedundancyOptimizer around it: every rank steps
+(and keeps the states of) whole parameters of its own, a greedy balance by size, then broadcasts them, so
+Muon orthogonalises whole matrices as in one process. Under parallel=fsdp the parameters, gradients and
+states are DTensor shards: AdamW is elementwise and steps each rank's shard; Muon keeps its momentum
+sharded and gathers each whole matrix only to orthogonalise it, which gives the single-process update.
 """
 
+from functools import partial
+
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
 from configs.schema import ConfigError
@@ -37,18 +42,24 @@ def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.reshape(g.shape)
 
 
+def shape_groups(params) -> list[dict]:
+    """One param group per shape, in a fixed order."""
+    shapes = sorted({tuple(p.shape) for p in params})
+    return [dict(params=[p for p in params if tuple(p.shape) == shape]) for shape in shapes]
+
+
 class Muon(torch.optim.Optimizer):
     """SGD with Nesterov momentum whose update is orthogonalised, scaled so that tall and wide
     matrices get updates of a similar RMS.
 
     Each param group holds matrices of one shape, orthogonalised together as one batch: a few large
-    batched matmuls instead of many small launches.
+    batched matmuls instead of many small launches. Given plain parameters, it groups them by shape; given
+    groups (as ZeroRedundancyOptimizer passes each rank's part of them), each must be of one shape.
     """
 
     def __init__(self, params, lr: float, momentum: float):
         params = list(params)
-        shapes = sorted({tuple(p.shape) for p in params})
-        groups = [dict(params=[p for p in params if tuple(p.shape) == shape]) for shape in shapes]
+        groups = params if params and isinstance(params[0], dict) else shape_groups(params)
         super().__init__(groups, dict(lr=lr, momentum=momentum))
 
     @torch.no_grad()
@@ -89,11 +100,16 @@ class Muon(torch.optim.Optimizer):
 OPTIMIZERS = ("muon", "adamw")
 
 
-def build_optimizers(model: GPT, cfg) -> list[torch.optim.Optimizer]:
-    """The optimisers of a run; each param group remembers its base lr as `initial_lr`."""
+def build_optimizers(model: GPT, cfg, shard: bool = False) -> list[torch.optim.Optimizer]:
+    """The optimisers of a run; each param group remembers its base lr as `initial_lr`. With `shard`
+    (parallel=zero), each is a ZeroRedundancyOptimizer that steps this rank's parameters only."""
+
+    def make(cls):
+        return partial(ZeroRedundancyOptimizer, optimizer_class=cls) if shard else cls
+
     adam = dict(betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.name == "adamw":
-        optimizers = [torch.optim.AdamW(model.parameters(), lr=cfg.adamw_lr, **adam)]
+        optimizers = [make(torch.optim.AdamW)(list(model.parameters()), lr=cfg.adamw_lr, **adam)]
     elif cfg.name == "muon":
         width_scale = (model.shape.n_embd / 768) ** -0.5
         groups = [
@@ -103,7 +119,10 @@ def build_optimizers(model: GPT, cfg) -> list[torch.optim.Optimizer]:
         matrices = list(model.blocks.parameters())
         if any(p.ndim != 2 for p in matrices):
             raise ConfigError("Muon expects only 2D matrices inside the blocks")
-        optimizers = [torch.optim.AdamW(groups, **adam), Muon(matrices, cfg.matrix_lr, cfg.muon_momentum)]
+        optimizers = [
+            make(torch.optim.AdamW)(groups, **adam),
+            make(Muon)(shape_groups(matrices), lr=cfg.matrix_lr, momentum=cfg.muon_momentum),
+        ]
     else:
         raise ConfigError(f"optim.name={cfg.name!r} must be 'muon' or 'adamw'")
     for opt in optimizers:

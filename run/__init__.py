@@ -4,7 +4,8 @@
 - run.dist: `init_distributed` (torchrun or one process), `DistInfo`, and the collectives the loop uses;
 - run.lock: `RunLock`, one run per run_dir (`RunLocked` names the holder);
 - run.stop: `GracefulStop`, a stop after the current step on SIGTERM, SIGINT or SIGUSR1;
-- run.parallel: `parallelize` (DDP or FSDP2 around the model, and the functions the loop calls),
+- run.parallel: `parallelize` (DDP, alone or with ZeRO optimisers, or FSDP2 around the model, and the
+  functions the loop calls),
   `model_state` and `load_model_state` (the model and optimisers by parameter name), `PARALLEL_MODES`;
 - run.checkpoint: `Checkpointer` (verified DCP checkpoint folders written by every rank, in the background
   or not, fallback past damaged ones), `load`, `read_tensors`, `read_model_state`, `check_resume`,

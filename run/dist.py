@@ -40,7 +40,7 @@ def resolve_device(name: str) -> torch.device:
 
 def init_distributed(device_name: str, group_of_one: bool = False) -> DistInfo:
     """This process's rank and device; the process group when there are several ranks, or a group of one
-    with `group_of_one` (FSDP2 needs a group even alone)."""
+    with `group_of_one` (FSDP2 and ZeroRedundancyOptimizer need a group even alone)."""
     device = resolve_device(device_name)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

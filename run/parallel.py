@@ -6,6 +6,10 @@ out of checkpoints by parameter name, whatever the mode and the number of ranks.
   splits that graph's backward at DDP's bucket boundaries, so each bucket's all-reduce runs while the
   backward goes on. Accumulation micro-steps before the last run under `no_sync`: one all-reduce of each
   gradient per optimiser step. With one rank the model is used as it is.
+- `zero`: as `ddp` for the model and its gradients; each optimiser is a ZeroRedundancyOptimizer
+  (model/optim.py), so each rank keeps the optimiser states of its own whole parameters (about 1/N of them,
+  balanced by size), steps those, and broadcasts them to the other ranks. Checkpoints hold the same
+  optimiser state by parameter name as `ddp`'s, each rank writing its parameters' part.
 - `fsdp`: FSDP2 (`fully_shard`) on each block, then on the root (embedding and head): every parameter, its
   gradient and its optimiser state are sharded over the ranks along their first dimension; a block's
   weights are all-gathered for its forward (and, with `reshard_after_forward`, again for its backward), its
@@ -21,15 +25,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from configs.schema import ConfigError
 from run.dist import DistInfo
 
-PARALLEL_MODES = ("ddp", "fsdp")
+PARALLEL_MODES = ("ddp", "zero", "fsdp")
 
 
 def check_mode(mode: str) -> None:
@@ -63,7 +68,7 @@ def parallelize(model: nn.Module, mode: str, info: DistInfo, compile: bool, resh
     """Wrap `model` (on its device, the same weights on every rank) for `mode`."""
     check_mode(mode)
     wrap = compiled if compile else (lambda fn: fn)
-    if mode == "ddp":
+    if mode in ("ddp", "zero"):
         if not info.enabled:
             return Parallel(mode, model, wrap(model), wrap(model.token_losses))
         # DDP around the compiled model: its hooks run eagerly, and the graph, compiled inside DDP's forward,
@@ -82,16 +87,56 @@ def parallelize(model: nn.Module, mode: str, info: DistInfo, compile: bool, resh
             block.compile(fullgraph=True, dynamic=False)  # in place: parameter names stay as they are
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    register_fsdp_forward_method(model, "token_losses")  # it gathers the root's weights as forward does
+    for method in ("token_losses", "prefill", "decode"):  # they gather the root's weights as forward does
+        register_fsdp_forward_method(model, method)
     return Parallel(mode, model, model, model.token_losses)
 
 
 def model_state(model: nn.Module, optimizers: list) -> dict:
     """The model and optimiser states by parameter name, as this rank holds them (DTensor shards under
-    fsdp): what a checkpoint saves and fills on load."""
-    weights, optim = get_state_dict(model, optimizers)
+    fsdp; under zero, the states of this rank's parameters only): what a checkpoint saves and fills on
+    load."""
+    if not _zero(optimizers):
+        weights, optim = get_state_dict(model, optimizers)
+        return {"model": weights, "optimizers": optim}
+    weights, optim = get_state_dict(model, [opt.optim for opt in optimizers])
+    # The param groups as ddp writes them (every parameter's name, the same on every rank): each rank's own
+    # lists would differ, and a checkpoint keeps one copy of what ranks share.
+    names = {param: name for name, param in model.named_parameters()}
+    optim["param_groups"] = [
+        {**_hyper(local), **_hyper(whole), "params": [names[p] for p in whole["params"]]}
+        for opt in optimizers
+        for whole, local in zip(opt.param_groups, opt.optim.param_groups, strict=True)
+    ]
     return {"model": weights, "optimizers": optim}
 
 
 def load_model_state(model: nn.Module, optimizers: list, state: dict) -> None:
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"])
+    if not _zero(optimizers):
+        set_state_dict(
+            model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"]
+        )
+        return
+    set_model_state_dict(model, state["model"])
+    saved = state["optimizers"]
+    names = {param: name for name, param in model.named_parameters()}
+    groups = {tuple(group["params"]): group for group in saved["param_groups"]}
+    for opt in optimizers:
+        local = {"state": {}, "param_groups": []}
+        for whole, mine in zip(opt.param_groups, opt.optim.param_groups, strict=True):
+            group = groups[tuple(names[p] for p in whole["params"])]
+            ids = range(len(local["state"]), len(local["state"]) + len(mine["params"]))
+            local["state"].update(
+                {i: saved["state"][names[p]] for i, p in zip(ids, mine["params"], strict=True)}
+            )
+            local["param_groups"].append({**_hyper(group), "params": list(ids)})
+            whole.update(_hyper(group))
+        opt.optim.load_state_dict(local)
+
+
+def _zero(optimizers: list) -> bool:
+    return any(isinstance(opt, ZeroRedundancyOptimizer) for opt in optimizers)
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}

@@ -1,4 +1,5 @@
-"""Training-speed benchmark: timed optimiser steps per model size and attention backend, in one process.
+"""Training-speed benchmark: timed optimiser steps per model size and attention backend, in one process or
+under torchrun.
 
     python scripts/bench_train.py data.source='corpus/*.parquet' data.vocab_size=32768 \
         data.tokens_per_micro_batch=65536 data.max_seqlen=2048 data.max_num_docs=256 \
@@ -11,10 +12,16 @@ and backend it reports tokens/s; MFU by nanochat's formula (6 x matmul params + 
 head_dim * max_seqlen FLOPs per token, i.e. full attention over every row, whether computed or not) and
 with only the in-document attention work counted; peak memory; compile time (the first step's time
 beyond a steady step); recompiles after the first step; and the share of step time spent waiting for data.
-The table goes to benchmarks/train_<device>.json (h100, h200, ...: the GPU's model), with
-`model.fp8=<mode>` to benchmarks/train_fp8_<mode>_<device>.json and with `parallel=fsdp` to
-benchmarks/train_fsdp_<device>.json, or to `+out=`. One process: with `parallel=fsdp`, FSDP2 over a group
-of one (its per-block compile and hooks, no communication).
+The table goes to benchmarks/train_<device>.json (h100, h200, cpu, ...), with `model.fp8=<mode>` to
+benchmarks/train_fp8_<mode>_<device>.json, with `parallel=zero` or `fsdp` to
+benchmarks/train_<parallel>_<device>.json, and with N > 1 ranks to ..._<device>_x<N>.json; or to `+out=`.
+One process: with `parallel=zero`, the ZeroRedundancyOptimizer over a group of one; with `parallel=fsdp`,
+FSDP2 over a group of one (its per-block compile and hooks, no communication).
+
+Under torchrun (`torchrun --nproc_per_node=N scripts/bench_train.py ...`) every rank trains its share of
+`total_batch_tokens` as train.py does; tokens/s is the whole job's, `tokens_per_s_per_rank` and the MFUs are
+per rank, and memory is the largest rank's: peak memory (on CPU the process's peak RSS), and the bytes of
+this rank's parameters and optimiser states (what the `parallel` mode shards).
 """
 
 import gc
@@ -29,6 +36,8 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -38,10 +47,10 @@ from eval.metrics import device_slug, peak_flops  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from model.optim import build_optimizers  # noqa: E402
 from run.determinism import configure_determinism  # noqa: E402
-from run.dist import init_distributed  # noqa: E402
+from run.dist import barrier, gather_objects, init_distributed  # noqa: E402
 from run.parallel import parallelize  # noqa: E402
 from run.preflight import check_config  # noqa: E402
-from train import train_step  # noqa: E402
+from train import peak_memory_gb, train_step  # noqa: E402
 
 register_configs()
 
@@ -62,10 +71,12 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, data.vocab_size, backend, cfg.data.max_seqlen).to(device)
     parallel = parallelize(model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward)
-    optimizers = build_optimizers(model, cfg.optim)
-    loader = PackedLoader(data, cfg.data, split="train", rank=0, world_size=1, seed=cfg.seed, device=device)
+    optimizers = build_optimizers(model, cfg.optim, shard=cfg.parallel == "zero")
+    loader = PackedLoader(
+        data, cfg.data, "train", rank=info.rank, world_size=info.world_size, seed=cfg.seed, device=device
+    )
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    accum = cfg.total_batch_tokens // cfg.data.tokens_per_micro_batch
+    accum = cfg.total_batch_tokens // (cfg.data.tokens_per_micro_batch * info.world_size)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     from torch._dynamo.utils import counters
@@ -107,24 +118,49 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
     nanochat_flops = (
         6 * model.matmul_params() + 12 * s.n_layer * s.n_head * s.head_dim * cfg.data.max_seqlen
     ) * tokens
-    in_doc_flops = 6 * model.matmul_params() * tokens + sum(attn_flops) / len(attn_flops)
+    # attn_flops are this rank's: every rank packs alike, so the job's are about ranks times as many.
+    in_doc_flops = 6 * model.matmul_params() * tokens + info.world_size * sum(attn_flops) / len(attn_flops)
     peak = peak_flops(device) or NANOCHAT_PEAK
+    ranks = info.world_size
+    # The largest rank's memory: the one that runs out first.
+    memory = max(gather_objects(rank_memory(model, optimizers, device), info), key=lambda m: m["peak_mem_gb"])
     row = {
         "model": name,
         "heads": f"{s.n_head} x {s.head_dim}",
         "attention": backend,
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "tokens_per_s": tokens / step_time,
+        "tokens_per_s_per_rank": tokens / step_time / ranks,
         "step_time_s": step_time,
-        "mfu_nanochat": nanochat_flops / step_time / NANOCHAT_PEAK,
-        "mfu_in_document": in_doc_flops / step_time / peak,
-        "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        "mfu_nanochat": nanochat_flops / step_time / ranks / NANOCHAT_PEAK,
+        "mfu_in_document": in_doc_flops / step_time / ranks / peak,
+        **memory,
         "compile_s": max(first_time - step_time, 0.0),
         "recompiles": counters["stats"]["unique_graphs"] - graphs_after_first,
         "data_share": sum(waits) / sum(times),
         "final_loss": losses[-1],
     }
     return row
+
+
+def rank_memory(model, optimizers, device) -> dict:
+    """This rank's peak memory, and the bytes of the parameters and optimiser states it holds (local shards
+    under fsdp, its own parameters' states under zero)."""
+
+    def nbytes(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    states = [v for opt in optimizers for s in _local(opt).state.values() for v in s.values()]
+    return {
+        "peak_mem_gb": peak_memory_gb(device),
+        "params_gb": sum(nbytes(p) for p in model.parameters()) / 1e9,
+        "optim_state_gb": sum(nbytes(v) for v in states if isinstance(v, torch.Tensor)) / 1e9,
+    }
+
+
+def _local(opt):
+    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
 
 
 def release_memory() -> None:
@@ -138,13 +174,16 @@ def release_memory() -> None:
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg) -> None:
     configure_determinism(cfg.deterministic)
-    info = init_distributed(cfg.device, group_of_one=cfg.parallel == "fsdp")
+    info = init_distributed(cfg.device, group_of_one=cfg.parallel in ("zero", "fsdp"))
     check_config(cfg, info)
     models = [str(m) for m in cfg.get("models", ["d12", "d20"])]
     backends = list(cfg.get("backends", ["triton", "flex", "torch_varlen", "sdpa_packed"]))
     warmup, steps = int(cfg.get("warmup", 3)), int(cfg.get("steps", 10))
     profile = bool(cfg.get("profile", False))  # +profile=true: per-kernel table of one extra step
-    data = prepare(cfg.data, build=True)
+    if info.is_main:
+        prepare(cfg.data, build=True)
+    barrier(info)
+    data = prepare(cfg.data, build=False)
     rows = []
     for name in models:
         for backend in backends:
@@ -154,13 +193,17 @@ def main(cfg) -> None:
                 row = {"model": name, "attention": backend, "error": "out of memory"}
             release_memory()
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            if info.is_main:
+                print(json.dumps(row), flush=True)
+    if not info.is_main:
+        return
     env = {
         "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": importlib.metadata.version("triton"),
         "deterministic": cfg.deterministic,
         "parallel": cfg.parallel,
+        "world_size": info.world_size,
         "fp8": cfg.model.fp8,
         "fused": [key for key in ("fused_mlp", "fused_rope_norm", "fused_residual") if cfg.model[key]],
         "tokens_per_micro_batch": cfg.data.tokens_per_micro_batch,
@@ -174,21 +217,22 @@ def main(cfg) -> None:
     print(f"\n{env}")
     print(
         f"{'model':<6} {'heads':<8} {'attention':<13} {'tok/s':>10} {'MFU nc':>7} {'MFU doc':>8} "
-        f"{'mem GB':>7} {'compile s':>9} {'recomp':>6} {'data %':>7}"
+        f"{'mem GB':>7} {'state GB':>8} {'compile s':>9} {'recomp':>6} {'data %':>7}"
     )
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<6} {'':<8} {r['attention']:<13} {r['error']}")
             continue
-        mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
+        mem, state = f"{r['peak_mem_gb']:.1f}", f"{r['params_gb'] + r['optim_state_gb']:.2f}"
         print(
             f"{r['model']:<6} {r['heads']:<8} {r['attention']:<13} {r['tokens_per_s']:>10,.0f} "
-            f"{r['mfu_nanochat']:>7.1%} {r['mfu_in_document']:>8.1%} {mem:>7} "
+            f"{r['mfu_nanochat']:>7.1%} {r['mfu_in_document']:>8.1%} {mem:>7} {state:>8} "
             f"{r['compile_s']:>9.1f} {r['recompiles']:>6} {r['data_share']:>7.2%}"
         )
     fp8 = "" if cfg.model.fp8 == "none" else f"fp8_{cfg.model.fp8}_"
-    fsdp = "fsdp_" if cfg.parallel == "fsdp" else ""
-    name = f"train_{fp8}{fsdp}{device_slug(env['device'])}.json"
+    parallel = "" if cfg.parallel == "ddp" else f"{cfg.parallel}_"
+    ranks = f"_x{info.world_size}" if info.world_size > 1 else ""
+    name = f"train_{fp8}{parallel}{device_slug(env['device'])}{ranks}.json"
     default = Path(__file__).resolve().parents[1] / "benchmarks" / name
     out = Path(cfg.get("out") or default)
     out.parent.mkdir(parents=True, exist_ok=True)

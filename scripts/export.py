@@ -42,7 +42,7 @@ def main() -> None:
             "tokenizer_id": data.tokenizer_id,
             "world_size": manifest["world_size"],
             "parallel": manifest.get("parallel"),
-            "data": config["data"],  # scripts/evaluate.py's default: the run's own validation split
+            "data": config["data"],  # scripts/eval.py --eval bpb's default: the run's own validation split
         }
         out = save_export(
             args.out,

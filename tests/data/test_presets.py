@@ -7,7 +7,10 @@ import re
 import pytest
 from hydra import compose, initialize_config_dir
 
+from configs.data_schema import DataConfig
 from configs.schema import register_configs
+from data.config import DataError
+from data.sources import open_source
 from tests.train_helpers import ROOT, run_train
 
 PRESETS = sorted(p.stem for p in (ROOT / "configs" / "data").glob("*.yaml"))
@@ -37,11 +40,41 @@ def test_local_preset_takes_the_path_from_the_environment(tmp_path, corpus):
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
 
 
-def test_a_hub_preset_offline_says_it_needs_a_network(tmp_path):
-    args = [f"run_dir={tmp_path / 'run'}", "data=fineweb_edu", f"data.cache_dir={tmp_path / 'cache'}"]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.mark.parametrize(
+    "preset, name",
+    [("fineweb_edu", "HuggingFaceFW/fineweb-edu"), ("climbmix", "karpathy/climbmix-400b-shuffle")],
+)
+def test_a_hub_preset_offline_says_it_needs_a_network(tmp_path, preset, name):
+    args = [f"run_dir={tmp_path / 'run'}", f"data={preset}", f"data.cache_dir={tmp_path / 'cache'}"]
     args += ["data.max_docs=10", "compile=false"]
-    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    proc = run_train(args, check=False, timeout=300, env_extra=env)
+    proc = run_train(args, check=False, timeout=300, env_extra={**OFFLINE, "HF_HOME": str(tmp_path / "hf")})
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "data.source='HuggingFaceFW/fineweb-edu'" in proc.stderr
+    assert f"data.source={name!r}" in proc.stderr
     assert "Hub datasets need a network" in proc.stderr
+
+
+def test_hf_paths_offline_say_they_need_a_network(tmp_path):
+    source = "hf://datasets/karpathy/climbmix-400b-shuffle/shard_0000[0-1].parquet"
+    args = [f"run_dir={tmp_path / 'run'}", f"data.source='{source}'", f"data.cache_dir={tmp_path / 'cache'}"]
+    args += ["compile=false"]
+    proc = run_train(args, check=False, timeout=300, env_extra={**OFFLINE, "HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert f"data.source={source!r}: reading these Hub files failed" in proc.stderr
+    assert "hf:// paths need a network" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["hf://karpathy/climbmix-400b-shuffle/shard_00000.parquet", "hf://datasets/owner/name/notes.md"],
+)
+def test_a_malformed_hf_path_is_refused_before_any_reading(source):
+    with pytest.raises(DataError, match=r"an hf:// source is hf://datasets/<owner>/<name>"):
+        open_source(DataConfig(source=source))
+
+
+def test_hf_paths_name_their_cache_after_the_dataset():
+    src = open_source(DataConfig(source="hf://datasets/karpathy/climbmix-400b-shuffle@main/shard_*.parquet"))
+    assert (src.kind, src.name, src.hub["format"]) == ("hub", "climbmix-400b-shuffle", "parquet")

@@ -1,5 +1,5 @@
-"""`parallel=ddp` and `parallel=fsdp` end to end: train.py under torchrun with gloo ranks on the CPU, against
-the uninterrupted single-process run of the same global batch. Both modes train what one process trains;
+"""`parallel=ddp`, `zero` and `fsdp` end to end: train.py under torchrun with gloo ranks on the CPU, against
+the uninterrupted single-process run of the same global batch. Every mode trains what one process trains;
 their checkpoints (torch.distributed.checkpoint folders) resume bit for bit with the same ranks and mode,
 and within float rounding on another number of ranks or in the other mode; a SIGKILL of every rank in the
 middle of a save leaves the previous checkpoint to resume from.
@@ -174,7 +174,7 @@ def resumed_line(proc, run_dir: Path, step: int, procs: int, mode: str) -> bool:
 # ---- the two modes train what one process trains ----------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
 def test_two_ranks_match_the_single_process_run(runs, mode):
     single, ranks = runs.get(1), runs.get(2, mode)
     assert_close_run(ranks, single)
@@ -214,7 +214,8 @@ def test_two_compiled_ranks_match_the_compiled_single_process_run(runs, mode):
 # ---- resuming -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+# ddp's bitwise resume is also what the SIGKILL test below checks in CI: its run here is with the slow tests.
+@pytest.mark.parametrize("mode", [pytest.param("ddp", marks=pytest.mark.slow), "zero", "fsdp"])
 def test_resume_with_the_same_ranks_and_mode_is_bitwise(runs, tmp_path, corpus, mode):
     run_dir = runs.copy(tmp_path / "run", 2, mode, HALF)
     proc = train(corpus, run_dir, 2, mode)
@@ -243,6 +244,8 @@ RESHARDS = {
     "ddp2-to-ddp4": ((2, "ddp"), (4, "ddp"), 1024),
     "ddp2-to-fsdp2": ((2, "ddp"), (2, "fsdp"), 512),
     "fsdp2-to-1": ((2, "fsdp"), (1, "ddp"), 512),
+    "ddp2-to-zero2": ((2, "ddp"), (2, "zero"), 512),
+    "zero4-to-1": ((4, "zero"), (1, "ddp"), 1024),
 }
 
 

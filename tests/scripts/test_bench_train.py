@@ -50,3 +50,51 @@ def test_bench_train_uses_each_model_preset(tmp_path):
         ("d12", preset_heads("d12", depth=1)),
     ]
     assert rows[0]["heads"] != rows[1]["heads"]  # the presets differ in head_dim, so this can tell them apart
+
+
+def test_under_torchrun_each_mode_reports_the_memory_its_sharding_leaves_on_a_rank(tmp_path):
+    """Two gloo ranks: ddp holds every parameter and optimiser state on each rank; zero the parameters and
+    about half the states; fsdp about half of both (the model's own parameter count is the reference)."""
+    source = write_corpus(tmp_path / "docs.jsonl", n_docs=100)
+    common = [
+        f"data.source={source}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.vocab_size=320",
+        "data.tokens_per_micro_batch=256",
+        "data.max_seqlen=128",
+        "data.max_num_docs=16",
+        "total_batch_tokens=512",
+        "compile=false",
+        "+models=[d12]",
+        "model.depth=2",
+        "+backends=[reference]",
+        "+warmup=1",
+        "+steps=1",
+    ]
+    rows = {}
+    for mode in ("ddp", "zero", "fsdp"):
+        out = tmp_path / f"{mode}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        cmd += ["scripts/bench_train.py", *common, f"parallel={mode}", f"+out={out}"]
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
+        report = json.loads(out.read_text())
+        assert report["env"]["world_size"] == 2 and report["env"]["parallel"] == mode
+        (rows[mode],) = report["rows"]
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"depth": 2, "head_dim": 128})
+    shape = GPTShape.from_config(cfg, vocab_size=320)
+    d, v = shape.n_embd, shape.padded_vocab_size
+    matrices = shape.n_layer * 12 * d * d
+    params = (matrices + 2 * v * d) * 4 / 1e9  # fp32
+    states = (matrices + 2 * 2 * v * d) * 4 / 1e9  # Muon's momentum, AdamW's two moments
+    close = dict(rel=1e-6, abs=1e-7)  # AdamW's step counters add a few bytes
+    ddp, zero, fsdp = rows["ddp"], rows["zero"], rows["fsdp"]
+    assert ddp["params_gb"] == pytest.approx(params)
+    assert ddp["optim_state_gb"] == pytest.approx(states, **close)
+    assert zero["params_gb"] == pytest.approx(params)
+    # The largest rank's share: at least half, at most half plus the largest parameter's states (the
+    # embedding's two moments).
+    assert states / 2 <= zero["optim_state_gb"] <= states / 2 + 2 * v * d * 4 / 1e9 + 1e-7
+    assert fsdp["params_gb"] == pytest.approx(params / 2)
+    assert fsdp["optim_state_gb"] == pytest.approx(states / 2, **close)
+    for row in rows.values():
+        assert row["tokens_per_s"] == pytest.approx(2 * row["tokens_per_s_per_rank"])

@@ -1,4 +1,4 @@
-"""scripts/export.py, sample.py and evaluate.py as a user runs them, on a tiny run trained by train.py, each
+"""scripts/export.py, generate.py and eval.py as a user runs them, on a tiny run trained by train.py, each
 checked against what the checkpoint itself gives: its weights (run.checkpoint.read_model_state), the model
 built from them, eval/sample.py's generate and eval/loss.py's evaluate."""
 
@@ -117,18 +117,18 @@ def test_loaded_export_gives_the_trained_models_logits(trained, exported):
         assert torch.equal(model(*args), reference(*args))
 
 
-def test_sample_script_prints_what_generate_gives(trained, exported):
+def test_generate_script_prints_what_generate_gives(trained, exported):
     path = checkpoint(trained, 12)
     data = run_data(path)
     want = generate(
         checkpoint_model(path), data.tokenizer, data.bos_id, "ab", 16, temperature=0.8, top_k=10, seed=7
     )
     proc = script(
-        "sample.py",
+        "generate.py",
         exported[0],
         "--prompt",
         "ab",
-        "--tokens",
+        "--max-new-tokens",
         16,
         "--seed",
         7,
@@ -141,7 +141,7 @@ def test_sample_script_prints_what_generate_gives(trained, exported):
     assert proc.stdout == want + "\n" and want.startswith("ab")
 
 
-def test_evaluate_script_matches_eval_loss(trained, exported):
+def test_eval_script_bpb_matches_eval_loss(trained, exported):
     path = checkpoint(trained, 12)
     data = run_data(path)
     loader = PackedLoader(data, data_config(path), split="val", infinite=False)
@@ -149,7 +149,7 @@ def test_evaluate_script_matches_eval_loss(trained, exported):
         checkpoint_model(path).token_losses, loader, token_bytes(data.tokenizer, data.vocab_size), 512, CPU
     )
     loader.close()
-    proc = script("evaluate.py", exported[0], "--tokens", 512)
+    proc = script("eval.py", exported[0], "--eval", "bpb", "--tokens", 512)
     assert proc.returncode == 0, proc.stderr
     found = re.search(r"loss (\d+\.\d+), bits per byte (\d+\.\d+)", proc.stdout)
     assert found, proc.stdout
@@ -157,7 +157,7 @@ def test_evaluate_script_matches_eval_loss(trained, exported):
     assert float(found[2]) == pytest.approx(want["val_bpb"], abs=1e-6)
     # The same tokens as the run's own evaluation at step 12 (eval_tokens=512).
     assert float(found[1]) == pytest.approx(metrics(trained)[-1]["val_loss"], abs=1e-6)
-    other = script("evaluate.py", exported[0], "data.vocab_size=300")
+    other = script("eval.py", exported[0], "--eval", "bpb", "data.vocab_size=300")
     assert (
         other.returncode != 0
         and "data.vocab_size=300" in other.stderr
@@ -177,7 +177,7 @@ def test_damaged_and_foreign_files_are_named(exported, tmp_path):
         ExportInvalid, match=re.escape(f"{foreign} is a safetensors file but not a varlen-gpt")
     ):
         load_export(foreign)
-    proc = script("sample.py", truncated, "--prompt", "ab")
+    proc = script("generate.py", truncated, "--prompt", "ab")
     assert proc.returncode != 0 and f"error: {truncated}" in proc.stderr and "Traceback" not in proc.stderr
 
 
