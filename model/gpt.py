@@ -205,8 +205,9 @@ class KVCache:
     The decode step has fixed shapes: it attends over the whole capacity with a mask, and reads the token's
     position from a device tensor, so that nothing in it waits for the host. With `compile`, the step runs
     through torch.compile and, on CUDA, is captured once in a CUDA graph and replayed for every token (one
-    launch instead of hundreds); the graph is captured again for another model or autocast setting. Leave it
-    off where the blocks' hooks must run (FSDP2 gathers each block's weights in them)."""
+    launch instead of hundreds); the graph reads the weights where they are (updates in place show), and is
+    captured again for another model or autocast setting. Leave it off where the blocks' hooks must run
+    (FSDP2 gathers each block's weights in them)."""
 
     def __init__(self, shape: GPTShape, capacity: int, compile: bool = False):
         self.shape, self.capacity, self.compile, self.length = shape, capacity, compile, 0
@@ -309,7 +310,8 @@ def decode_step(model: "GPT", input_ids, position, slots, keys: list, values: li
 
 @functools.cache
 def compiled_decode_step():
-    """decode_step compiled once per process: fixed shapes, one graph (its guards keep one per model)."""
+    """decode_step compiled, one wrapper per process: fixed shapes, so one graph per cache size, dtype and
+    autocast setting (models of one config share it: their parameters are the graph's inputs)."""
     return torch.compile(decode_step, fullgraph=True, dynamic=False)
 
 

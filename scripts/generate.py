@@ -22,6 +22,7 @@ from data import DataError  # noqa: E402
 from data import tokenizer as tok  # noqa: E402
 from eval.sample import generate_tokens, stream_text  # noqa: E402
 from model.export import ExportInvalid, load_model  # noqa: E402
+from model.gpt import KVCache  # noqa: E402
 from run.checkpoint import CheckpointInvalid  # noqa: E402
 from run.dist import resolve_device  # noqa: E402
 
@@ -49,6 +50,10 @@ def main() -> None:
         sys.exit(f"error: {err}")
     bos_id = enc.encode_single_token(tok.BOS)
     ids = [bos_id] + enc.encode_ordinary(args.prompt)
+    # On a GPU the decode step is compiled and replayed as a CUDA graph (a few seconds to capture, then one
+    # launch per token); on the CPU compiling costs more than the few tokens a user asks for.
+    needed = min(model.max_seqlen, len(ids) + args.max_new_tokens)
+    cache = KVCache(model.shape, needed, compile=device.type == "cuda")
     new = generate_tokens(
         model,
         ids,
@@ -57,6 +62,7 @@ def main() -> None:
         top_k=args.top_k or None,
         seed=args.seed,
         stop_id=bos_id,
+        cache=cache,
     )
 
     def tokens():

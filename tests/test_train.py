@@ -11,6 +11,9 @@ import pytest
 from tests.train_helpers import metrics, run_train, small_run
 
 
+# About 2-3 minutes on 2 cores: with the slow tests. In CI, test_faults.py's two default runs compile
+# the same model, evaluate, sample and save, and check that nothing recompiles.
+@pytest.mark.slow
 def test_default_run_learns_evaluates_samples_and_saves(tmp_path, stdlib_cache):
     """`python train.py` as a user runs it, shortened: stdlib data, compiled model, CPU."""
     run_dir = tmp_path / "run"

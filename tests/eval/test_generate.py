@@ -87,7 +87,8 @@ def check_decode_steps(model, cache: KVCache, tol: float) -> None:
         model.decode(tokens(0, 1), cache)
     other = ids[:3] + prompt(5)
     want = full_logits(model, other)
-    torch.testing.assert_close(model.prefill(torch.tensor(other[:3], device=device), cache), want[2])
+    got = model.prefill(torch.tensor(other[:3], device=device), cache)
+    torch.testing.assert_close(got, want[2], rtol=tol, atol=tol)
     assert cache.length == 3
     for i in range(3, len(other)):
         got = model.decode(torch.tensor(other[i : i + 1], device=device), cache)
@@ -163,7 +164,9 @@ def test_streamed_text_never_splits_a_character(encoding):
 def test_cached_greedy_generation_equals_recomputation_on_cuda_bf16(compile, prompt_len):
     """The triton backend under bf16 autocast (on Hopper the prefill takes the fused operators, the decode
     the plain products), eager or compiled and replayed as a CUDA graph: every cached token is the likeliest
-    of the logits recomputed from its context, but at a near tie, where bf16 rounding may pick either."""
+    of the logits recomputed from its context, but at a near tie, where bf16 rounding may pick either: both
+    sides round differently (the eager step after every operation), a few times 2^-8 of logits up to ~10.
+    A slot read or masked wrongly moves logits by whole units; the fp32 test below checks the exact math."""
     model = tiny_model("cuda", "triton", head_dim=64, aspect_ratio=64, n_kv_heads=1)
     ids = prompt(prompt_len)
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -172,7 +175,7 @@ def test_cached_greedy_generation_equals_recomputation_on_cuda_bf16(compile, pro
         context = list(ids)
         for token in got:
             logits = full_logits(model, context[-MAX_SEQLEN:])[-1].float()
-            assert logits[token] >= logits.max() - 0.05, (len(context), token, int(logits.argmax()))
+            assert logits[token] >= logits.max() - 0.25, (len(context), token, int(logits.argmax()))
             context.append(token)
 
 
@@ -180,8 +183,9 @@ def test_cached_greedy_generation_equals_recomputation_on_cuda_bf16(compile, pro
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_decode_equals_the_full_forward_on_cuda_fp32():
     """The compiled step replayed from one CUDA graph (captured at the first decode, kept through the
-    re-prefill), in fp32: each step's logits are the full forward's, and greedy tokens recomputation's."""
-    model = tiny_model("cuda", "triton")
+    re-prefills), in fp32 (the reference attention: our kernels take 16-bit inputs): each step's logits are
+    the full forward's, and greedy tokens recomputation's (GQA, sliding window, past max_seqlen)."""
+    model = tiny_model("cuda", "reference", head_dim=64, aspect_ratio=64, n_kv_heads=1)
     cache = KVCache(model.shape, MAX_SEQLEN, compile=True)
     check_decode_steps(model, cache, 1e-4)
     graph = cache.graph

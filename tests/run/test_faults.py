@@ -339,20 +339,23 @@ def test_empty_validation_split_stops_before_training(tmp_path):
 
 
 def test_two_default_runs_are_bitwise_identical(tmp_path, stdlib_cache):
-    """`python train.py` (compiled, CPU, the default thread count), shortened, twice."""
+    """`python train.py` (compiled, CPU, the default thread count), shortened, twice; neither recompiles
+    after its first step (nor for evaluation and sampling)."""
     runs = []
     for name in ("a", "b"):
         run_dir = tmp_path / name
-        run_train(
+        proc = run_train(
             [
                 f"run_dir={run_dir}",
                 f"data.cache_dir={stdlib_cache}",
                 "max_steps=10",
-                "eval_every=10",
-                "sample_every=10",
+                "eval_every=5",
+                "sample_every=5",
                 "save_every=10",
-            ]
+            ],
+            env_extra={"TORCH_LOGS": "recompiles"},
         )
+        assert "Recompiling" not in proc.stderr
         runs.append(run_dir)
     assert_same_run(runs[0], runs[1], 10)
 

@@ -23,10 +23,10 @@ def preset_heads(name: str, **overrides) -> str:
     return f"{shape.n_head} x {shape.head_dim}"
 
 
-def test_bench_train_uses_each_model_preset(tmp_path):
+def tiny_bench(tmp_path) -> list[str]:
+    """A corpus of 100 documents and the overrides of a quick CPU benchmark of one step on it."""
     source = write_corpus(tmp_path / "docs.jsonl", n_docs=100)
-    out = tmp_path / "bench.json"
-    args = [
+    return [
         f"data.source={source}",
         f"data.cache_dir={tmp_path / 'cache'}",
         "data.vocab_size=320",
@@ -35,12 +35,19 @@ def test_bench_train_uses_each_model_preset(tmp_path):
         "data.max_num_docs=16",
         "total_batch_tokens=512",
         "compile=false",
-        "model=d20",  # the +models list decides, not this
-        "model.depth=1",  # a model override applies to every preset
-        "+models=[tiny,d12]",
         "+backends=[reference]",
         "+warmup=1",
         "+steps=1",
+    ]
+
+
+def test_bench_train_uses_each_model_preset(tmp_path):
+    out = tmp_path / "bench.json"
+    args = [
+        *tiny_bench(tmp_path),
+        "model=d20",  # the +models list decides, not this
+        "model.depth=1",  # a model override applies to every preset
+        "+models=[tiny,d12]",
         f"+out={out}",
     ]
     subprocess.run([sys.executable, "scripts/bench_train.py", *args], cwd=ROOT, check=True, timeout=600)
@@ -55,22 +62,7 @@ def test_bench_train_uses_each_model_preset(tmp_path):
 def test_under_torchrun_each_mode_reports_the_memory_its_sharding_leaves_on_a_rank(tmp_path):
     """Two gloo ranks: ddp holds every parameter and optimiser state on each rank; zero the parameters and
     about half the states; fsdp about half of both (the model's own parameter count is the reference)."""
-    source = write_corpus(tmp_path / "docs.jsonl", n_docs=100)
-    common = [
-        f"data.source={source}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "data.vocab_size=320",
-        "data.tokens_per_micro_batch=256",
-        "data.max_seqlen=128",
-        "data.max_num_docs=16",
-        "total_batch_tokens=512",
-        "compile=false",
-        "+models=[d12]",
-        "model.depth=2",
-        "+backends=[reference]",
-        "+warmup=1",
-        "+steps=1",
-    ]
+    common = [*tiny_bench(tmp_path), "+models=[d12]", "model.depth=2"]
     rows = {}
     for mode in ("ddp", "zero", "fsdp"):
         out = tmp_path / f"{mode}.json"
