@@ -47,7 +47,7 @@ from eval.metrics import device_slug, peak_flops  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from model.optim import build_optimizers  # noqa: E402
 from run.determinism import configure_determinism  # noqa: E402
-from run.dist import barrier, gather_objects, init_distributed  # noqa: E402
+from run.dist import barrier, gather_objects, init_distributed, shutdown  # noqa: E402
 from run.parallel import parallelize  # noqa: E402
 from run.preflight import check_config  # noqa: E402
 from train import peak_memory_gb, train_step  # noqa: E402
@@ -175,6 +175,13 @@ def release_memory() -> None:
 def main(cfg) -> None:
     configure_determinism(cfg.deterministic)
     info = init_distributed(cfg.device, group_of_one=cfg.parallel in ("zero", "fsdp"))
+    try:
+        bench(cfg, info)
+    finally:
+        shutdown(info)
+
+
+def bench(cfg, info) -> None:
     check_config(cfg, info)
     models = [str(m) for m in cfg.get("models", ["d12", "d20"])]
     backends = list(cfg.get("backends", ["triton", "flex", "torch_varlen", "sdpa_packed"]))
