@@ -100,11 +100,7 @@ class CausalSelfAttention(nn.Module):
             q = q.view(T, s.n_head, s.head_dim)
             k, v = k.view(T, s.n_kv_head, s.head_dim), v.view(T, s.n_kv_head, s.head_dim)
         else:
-            q = linear(x, self.c_q.weight, self.fp8).view(T, s.n_head, s.head_dim)
-            k = linear(x, self.c_k.weight, self.fp8).view(T, s.n_kv_head, s.head_dim)
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-            q, k = rms_norm(q), rms_norm(k)  # QK-norm keeps attention logits bounded
-            v = linear(x, self.c_v.weight, self.fp8).view(T, s.n_kv_head, s.head_dim)
+            q, k, v = self.plain_qkv(x, rotary)
         y = attention.attend(q, k, v, ctx, self.window).reshape(T, -1)
         if self.fused_residual and self.fp8 == "none" and hopper_kernels_run_on(residual):
             from kernels.fused import residual_linear
@@ -112,15 +108,20 @@ class CausalSelfAttention(nn.Module):
             return residual_linear(residual, y, self.c_proj.weight)
         return residual + linear(y, self.c_proj.weight, self.fp8)
 
+    def plain_qkv(self, x, rotary):
+        """q [T, H, D], k and v [T, H_kv, D] of x [T, C] in PyTorch products, RoPE and QK-norm."""
+        T, s = x.shape[0], self.shape
+        q = linear(x, self.c_q.weight, self.fp8).view(T, s.n_head, s.head_dim)
+        k = linear(x, self.c_k.weight, self.fp8).view(T, s.n_kv_head, s.head_dim)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k = rms_norm(q), rms_norm(k)  # QK-norm keeps attention logits bounded
+        v = linear(x, self.c_v.weight, self.fp8).view(T, s.n_kv_head, s.head_dim)
+        return q, k, v
+
     def decode(self, x, residual, rotary, cache: "LayerCache"):
         """forward for one new token x [1, C], whose keys and values join the cache: the plain PyTorch
         products, as the fused operators are made for many tokens."""
-        s = self.shape
-        q = linear(x, self.c_q.weight, self.fp8).view(1, s.n_head, s.head_dim)
-        k = linear(x, self.c_k.weight, self.fp8).view(1, s.n_kv_head, s.head_dim)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        q, k = rms_norm(q), rms_norm(k)
-        v = linear(x, self.c_v.weight, self.fp8).view(1, s.n_kv_head, s.head_dim)
+        q, k, v = self.plain_qkv(x, rotary)
         cache.store(k, v)
         y = cache.attend(q, self.window).reshape(1, -1)
         return residual + linear(y, self.c_proj.weight, self.fp8)
@@ -140,11 +141,10 @@ class MLP(nn.Module):
             from kernels.fused import relu2_mlp
 
             return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)
-        h = F.relu(linear(rms_norm(x), self.c_fc.weight, self.fp8)).square()
-        return x + linear(h, self.c_proj.weight, self.fp8)
+        return self.plain(x)
 
-    def decode(self, x):
-        """forward for one token, in plain PyTorch products."""
+    def plain(self, x):
+        """forward in PyTorch products (the decode step's: the fused operator is made for many tokens)."""
         h = F.relu(linear(rms_norm(x), self.c_fc.weight, self.fp8)).square()
         return x + linear(h, self.c_proj.weight, self.fp8)
 
@@ -181,7 +181,7 @@ class Block(nn.Module):
         """With a `cache` (GPT.decode), x is one new token attending to the cached keys and values; the
         decode step runs through here too, so that FSDP2's hooks on the block gather its weights."""
         if cache is not None:
-            return self.mlp.decode(self.attn.decode(rms_norm(x), x, rotary, cache))
+            return self.mlp.plain(self.attn.decode(rms_norm(x), x, rotary, cache))
         x = self.attn(rms_norm(x), x, rotary, attention, ctx)  # x + attention
         return self.mlp(x)  # x + MLP
 
@@ -298,10 +298,7 @@ def decode_step(model: "GPT", input_ids, position, slots, keys: list, values: li
     every position: one compiled graph serves every step and every cache of the same size. Each block runs
     through its __call__, so that FSDP2's hooks gather its weights."""
     rotary = model.rotary_cos[position][:, None, :], model.rotary_sin[position][:, None, :]
-    x = rms_norm(model.wte(input_ids))
-    device = input_ids.device.type
-    if torch.is_autocast_enabled(device):
-        x = x.to(torch.get_autocast_dtype(device))
+    x = model.embed(input_ids)
     for block, k, v in zip(model.blocks, keys, values, strict=True):
         x = block(x, rotary, None, None, cache=LayerCache(k, v, position, slots))
     logits = softcap(model.lm_head(rms_norm(x)), model.logit_softcap)
@@ -357,16 +354,21 @@ class GPT(nn.Module):
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
 
+    def embed(self, input_ids) -> torch.Tensor:
+        """The normed embeddings, the start of the residual stream. It runs in autocast's dtype (bf16 on GPU),
+        as with nanochat's bf16 embedding: half the traffic and saved activations of an fp32 stream. The
+        parameters stay fp32."""
+        x = rms_norm(self.wte(input_ids))
+        device = input_ids.device.type
+        if torch.is_autocast_enabled(device):
+            x = x.to(torch.get_autocast_dtype(device))
+        return x
+
     def hidden_states(self, input_ids, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
         # [T, 1, head_dim / 2], broadcast over heads
         rotary = self.rotary_cos[position_ids][:, None, :], self.rotary_sin[position_ids][:, None, :]
         ctx = self.attention.prepare(cu_seqlens, max_seqlen, input_ids.shape[0])
-        x = rms_norm(self.wte(input_ids))
-        # The residual stream runs in autocast's dtype (bf16 on GPU), as with nanochat's bf16 embedding:
-        # half the traffic and saved activations of an fp32 stream. The parameters stay fp32.
-        device = input_ids.device.type
-        if torch.is_autocast_enabled(device):
-            x = x.to(torch.get_autocast_dtype(device))
+        x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, rotary, self.attention, ctx)
         return rms_norm(x)
@@ -411,10 +413,7 @@ class GPT(nn.Module):
             raise ValueError(f"a prompt of {n} tokens does not fit the cache's {cache.capacity} positions")
         cache.reset()
         rotary = self.rotary_cos[:n, None, :], self.rotary_sin[:n, None, :]
-        x = rms_norm(self.wte(input_ids))
-        device = input_ids.device.type
-        if torch.is_autocast_enabled(device):
-            x = x.to(torch.get_autocast_dtype(device))
+        x = self.embed(input_ids)
         cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=input_ids.device)
         ctx = self.attention.prepare(cu_seqlens, n, n)
         for i, block in enumerate(self.blocks):
