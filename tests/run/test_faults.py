@@ -2,6 +2,7 @@
 stop signals, SIGKILL anywhere (saves included), damaged checkpoints, a full disk, errors that must come
 before any work, and bitwise-reproducible runs. Every resumed run is compared with the uninterrupted one."""
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -89,26 +90,50 @@ def test_sigint_and_sigusr1_also_save_the_current_step_and_exit_0(tmp_path, corp
 
 
 def test_second_sigint_exits_at_once_without_saving(tmp_path, corpus):
-    run_dir = tmp_path / "run"
-    # A run whose steps take long enough that the first SIGINT's step is still running at the second.
-    slow = (
-        "model.depth=4",
-        "model.head_dim=64",
-        "total_batch_tokens=8192",
-        "max_steps=100",
-        "save_every=100",
-    )
-    proc = start_train(small_run(corpus, run_dir, *slow), tmp_path / "log")
-    wait_for(lambda: logged_steps(run_dir) >= 1, proc, "step 1")
-    # Into step 2 (steps take over a second): a signal between step 1's log line and its stop check would
-    # end the run after step 1, before the second signal.
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=30) == 130
-    assert "second SIGINT: exiting now" in (tmp_path / "log").read_text()
-    assert steps_saved(run_dir) == []
+    """Ctrl-C twice on a run stuck inside a step. Here the step is stuck on its console, a pipe that
+    nobody reads any more: the first SIGINT can only wait for the step, the second must exit at once."""
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    console, console_in = os.pipe()
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", *small_run(corpus, run_dir, "max_steps=100", "save_every=100")],
+            cwd=ROOT,
+            env=train_env(),
+            stdout=console_in,
+            stderr=err,
+        )
+    try:
+        os.set_blocking(console, False)
+        printed = b""
+        while b"step 1/100" not in printed:  # keep the console drained until step 1's line
+            assert proc.poll() is None, log.read_text()
+            try:
+                printed += os.read(console, 1 << 16)
+            except BlockingIOError:
+                time.sleep(0.001)
+        # Fill the pipe while the run is held, so that its next line (step 2's, before step 2's stop
+        # check) blocks.
+        proc.send_signal(signal.SIGSTOP)
+        while True:
+            try:
+                os.read(console, 1 << 16)
+            except BlockingIOError:
+                break
+        os.write(console_in, b"\n" * fcntl.fcntl(console, fcntl.F_GETPIPE_SZ))
+        proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: logged_steps(run_dir) >= 2, proc, "step 2's metrics")  # written just before the line
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "SIGINT received: finishing this step" in log.read_text(), proc, "the first SIGINT")
+        assert proc.poll() is None and logged_steps(run_dir) == 2  # still inside step 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(console)
+        os.close(console_in)
+    assert "second SIGINT: exiting now" in log.read_text()
+    assert steps_saved(run_dir) == [] and temporaries(run_dir) == []
 
 
 def test_signal_before_training_starts_exits_at_once_with_a_message(tmp_path, corpus):
