@@ -34,6 +34,7 @@ from tqdm import tqdm
 from data import tokenizer as tok
 from data.config import DataError, check_config
 from data.sources import Source, is_val, open_source
+from run.files import fsync_dir, write_durably
 
 FORMAT = 1  # bump when the layout changes: it is part of the key
 TASK_DOCS = 512  # documents per tokenizer task
@@ -165,14 +166,14 @@ def _build(cfg, source: Source, folder: Path, inputs: dict) -> None:
             "seconds": {"tokenizer": round(t1 - t0, 3), "tokenize": round(t2 - t1, 3)},
         }
         _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         try:
             os.rename(tmp, folder)
         except OSError:
             if not (folder / "manifest.json").exists():
                 raise
             shutil.rmtree(tmp)  # another process finished the same build first
-        _fsync_dir(folder.parent)
+        fsync_dir(folder.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -486,16 +487,5 @@ def _file_entry(path: Path) -> dict:
 def _write(path: Path, data: bytes) -> None:
     """Atomic write: a temporary file, fsynced, then renamed over the target."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_durably(tmp, data)
     os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

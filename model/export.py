@@ -27,6 +27,7 @@ from data import tokenizer as tok
 from model.attention import default_backend
 from model.gpt import GPT
 from run.checkpoint import MANIFEST, Checkpointer, CheckpointInvalid, read_model_state, verify
+from run.files import fsync_dir
 
 FORMAT = "varlen-gpt-export/1"
 
@@ -103,11 +104,7 @@ def save_export(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)  # make the rename itself durable
     return path
 
 

@@ -10,5 +10,7 @@
 - run.checkpoint: `Checkpointer` (verified DCP checkpoint folders written by every rank, in the background
   or not, fallback past damaged ones), `load`, `read_tensors`, `read_model_state`, `check_resume`,
   `check_compatible`, `rng_state`, `set_rng_state`;
-- run.determinism: `configure_determinism`, the settings behind `deterministic=true`.
+- run.determinism: `configure_determinism`, the settings behind `deterministic=true`;
+- run.files: `write_durably`, `fsync_dir`, the fsyncs behind every atomic write (checkpoints, data shards,
+  exports).
 """

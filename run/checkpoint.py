@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from run.dist import DistInfo, any_rank, broadcast_object, gather_objects
+from run.files import fsync_dir, write_durably
 
 FORMAT = "varlen-gpt-checkpoint/2"
 RUN_STATE = "run_state.pt"
@@ -81,14 +82,6 @@ def step_of(path: Path) -> int:
     return int(_NAME.match(path.name).group(1))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _state_bytes(obj) -> int:
     """Bytes of the tensors in a nested state, whole (a sharded tensor counts once, at its full size)."""
     if isinstance(obj, torch.Tensor):
@@ -110,13 +103,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(_READ_CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def read_manifest(path: Path) -> dict:
@@ -325,7 +311,7 @@ class Checkpointer:
         try:
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
             if self.info.is_main:
-                _write_durably(tmp / RUN_STATE, _pickled(run_state))
+                write_durably(tmp / RUN_STATE, _pickled(run_state))
         except (Exception, CheckpointException) as err:  # DCP's carries each failing rank's error
             failure = _reason(err)
         failures = [f for f in gather_objects(failure, self.info) if f is not None]
@@ -345,7 +331,7 @@ class Checkpointer:
                 no_dist=not _distributed(),
             )
             if self.info.is_main:
-                _write_durably(tmp / RUN_STATE, _pickled(run_state))
+                write_durably(tmp / RUN_STATE, _pickled(run_state))
         except (Exception, CheckpointException) as err:
             failure = _reason(err)
         failures = [f for f in gather_objects(failure, self.info) if f is not None]
@@ -367,12 +353,12 @@ class Checkpointer:
         if info.is_main:
             try:
                 manifest = {"format": FORMAT, "step": step, **about, "files": dict(sorted(files.items()))}
-                _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-                _fsync_dir(tmp)
+                write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+                fsync_dir(tmp)
                 if final.exists():  # a checkpoint of this step from an abandoned history (see check_resume)
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                _fsync_dir(self.dir)  # make the rename itself durable
+                fsync_dir(self.dir)  # make the rename itself durable
             except OSError as err:
                 failure = str(err)
         return broadcast_object(failure, info)

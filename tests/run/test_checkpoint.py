@@ -67,7 +67,7 @@ def test_crash_during_save_leaves_previous_checkpoint_and_orphan_is_removed(tmp_
         path.write_bytes(data[:100])
         raise KeyboardInterrupt  # the process is stopped while writing, after the tensors
 
-    monkeypatch.setattr(checkpoint, "_write_durably", dies_midway)
+    monkeypatch.setattr(checkpoint, "write_durably", dies_midway)
     with pytest.raises(KeyboardInterrupt):
         save(ck, 2)
     monkeypatch.undo()
