@@ -75,7 +75,9 @@ def parallelize(model: nn.Module, mode: str, info: DistInfo, compile: bool, resh
         # is split at the buckets by dynamo's DDP optimiser. (Compiling DDP itself fails with fullgraph:
         # dynamo cannot trace DDP's bucket bookkeeping.)
         device_ids = [info.device.index] if info.device.type == "cuda" else None
-        ddp = DistributedDataParallel(wrap(model), device_ids=device_ids)
+        # The gradients are views into DDP's buckets rather than a second copy beside them: one fp32
+        # gradient of the model less per rank, with the same arithmetic.
+        ddp = DistributedDataParallel(wrap(model), device_ids=device_ids, gradient_as_bucket_view=True)
         return Parallel(mode, model, ddp, wrap(model.token_losses), ddp)
     cuda = info.device.type == "cuda"
     policy = MixedPrecisionPolicy(
