@@ -131,7 +131,7 @@ class TrainConfig:
     # losses and weights (torch's deterministic algorithms, inductor without benchmark-picked kernels,
     # a fixed cuBLAS workspace). README "Reproducibility" gives its measured cost.
     deterministic: bool = True
-    attention: str = "auto"  # auto | triton | reference | flex | torch_varlen | sdpa_packed
+    attention: str = "auto"  # auto | triton | reference | flex | torch_varlen | sdpa_packed | fa4
 
 
 def register_configs() -> None:

@@ -7,6 +7,8 @@ document boundaries `cu_seqlens` (int32 [N + 1], trailing zero-length documents 
 - torch_varlen: torch.nn.attention.varlen.varlen_attn (CUDA only).
 - sdpa_packed:  plain causal SDPA over fixed rows of max_seqlen tokens; documents bleed into each
                 other inside a row. The pre-varlen baseline, for comparisons only.
+- fa4:          FlashAttention-4 (flash-attn-4, optional; model/fa4.py) on CUDA GPUs of compute
+                capability 9.0 or later: for those where our Hopper kernels do not apply (Blackwell).
 
 A backend is used in two steps: `prepare` once per forward (work shared by all layers: our kernel's
 plans, FlexAttention's block masks), then `attend` in every layer.
@@ -19,8 +21,9 @@ import torch.nn.functional as F
 
 from configs.schema import ConfigError
 from kernels.attention import attention_masked
+from model.fa4 import check_fa4, fa4_attention
 
-BACKENDS = ("triton", "reference", "flex", "torch_varlen", "sdpa_packed")
+BACKENDS = ("triton", "reference", "flex", "torch_varlen", "sdpa_packed", "fa4")
 
 
 def default_backend(device: torch.device) -> str:
@@ -29,6 +32,9 @@ def default_backend(device: torch.device) -> str:
 
 def check_backend(name: str, device: torch.device) -> None:
     """Refuse, at start-up, a backend that cannot run on `device`."""
+    if name == "fa4":
+        check_fa4(device)
+        return
     if device.type == "cuda" or name in ("reference", "sdpa_packed"):
         return
     if name == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
@@ -74,6 +80,8 @@ class Attention:
             return _flex(q, k, v, ctx["block_masks"][window])
         if self.name == "torch_varlen":
             return _torch_varlen(q, k, v, cu, max_seqlen, window)
+        if self.name == "fa4":
+            return fa4_attention(q, k, v, cu, max_seqlen, window)
         return _sdpa_packed(q, k, v, max_seqlen, window)
 
 

@@ -6,6 +6,9 @@ under torchrun.
         total_batch_tokens=524288 +models=[d12,d20] +backends=[triton,flex,torch_varlen,sdpa_packed] \
         +warmup=3 +steps=10 [+out=FILE.json] [+profile=true]
 
+`fa4` in `+backends` (FlashAttention-4, model/fa4.py) is skipped with a printed note where flash-attn-4 does
+not import or the GPU is older than sm90, so one command compares it with ours where it runs.
+
 Takes the same overrides as train.py (the data pipeline and loader are the real ones). Each entry of
 `+models` names a preset of configs/model, composed as `train.py model=<name>` would. For each model
 and backend it reports tokens/s; MFU by nanochat's formula (6 x matmul params + 12 * layers * heads *
@@ -41,9 +44,10 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs.schema import register_configs  # noqa: E402
+from configs.schema import ConfigError, register_configs  # noqa: E402
 from data import PackedLoader, prepare  # noqa: E402
 from eval.metrics import device_slug, peak_flops  # noqa: E402
+from model.attention import check_backend  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from model.optim import build_optimizers  # noqa: E402
 from run.determinism import configure_determinism  # noqa: E402
@@ -163,6 +167,26 @@ def _local(opt):
     return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
 
 
+def can_run(backend: str, info) -> bool:
+    """False, with a note, for fa4 where it cannot run: an optional dependency, skipped rather than fatal."""
+    if backend != "fa4":
+        return True
+    try:
+        check_backend(backend, info.device)
+    except ConfigError as err:
+        if info.is_main:
+            print(f"skipping {err}", flush=True)
+        return False
+    return True
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:  # importable from a folder without its metadata
+        return None
+
+
 def release_memory() -> None:
     """Drop the last configuration's compiled graphs and cached GPU blocks before the next one."""
     gc.collect()
@@ -184,7 +208,9 @@ def main(cfg) -> None:
 def bench(cfg, info) -> None:
     check_config(cfg, info)
     models = [str(m) for m in cfg.get("models", ["d12", "d20"])]
-    backends = list(cfg.get("backends", ["triton", "flex", "torch_varlen", "sdpa_packed"]))
+    backends = [
+        b for b in cfg.get("backends", ["triton", "flex", "torch_varlen", "sdpa_packed"]) if can_run(b, info)
+    ]
     warmup, steps = int(cfg.get("warmup", 3)), int(cfg.get("steps", 10))
     profile = bool(cfg.get("profile", False))  # +profile=true: per-kernel table of one extra step
     if info.is_main:
@@ -209,6 +235,7 @@ def bench(cfg, info) -> None:
         "torch": torch.__version__,
         "triton": importlib.metadata.version("triton"),
         "deterministic": cfg.deterministic,
+        "flash_attn_4": installed_version("flash-attn-4") if "fa4" in backends else None,
         "parallel": cfg.parallel,
         "world_size": info.world_size,
         "fp8": cfg.model.fp8,

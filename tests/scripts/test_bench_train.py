@@ -59,6 +59,26 @@ def test_bench_train_uses_each_model_preset(tmp_path):
     assert rows[0]["heads"] != rows[1]["heads"]  # the presets differ in head_dim, so this can tell them apart
 
 
+def test_bench_train_skips_fa4_with_a_note_where_it_cannot_run(tmp_path):
+    """attention=fa4 cannot run on the CPU: its rows are left out with the reason, the others still run."""
+    out = tmp_path / "bench.json"
+    args = [a for a in tiny_bench(tmp_path) if not a.startswith("+backends=")]
+    args += ["device=cpu", "+models=[tiny]", "model.depth=1", "+backends=[reference,fa4]", f"+out={out}"]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_train.py", *args],
+        cwd=ROOT,
+        check=True,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert "skipping attention=fa4 cannot run here" in proc.stdout
+    assert "this run is on cpu" in proc.stdout
+    report = json.loads(out.read_text())
+    assert [r["attention"] for r in report["rows"]] == ["reference"]
+    assert report["env"]["flash_attn_4"] is None
+
+
 def test_under_torchrun_each_mode_reports_the_memory_its_sharding_leaves_on_a_rank(tmp_path):
     """Two gloo ranks: ddp holds every parameter and optimiser state on each rank; zero the parameters and
     about half the states; fsdp about half of both (the model's own parameter count is the reference)."""
