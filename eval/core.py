@@ -16,10 +16,12 @@ with `random.Random(1234 + item index)`, and `max_per_task` keeps the first item
 `random.Random(1337)`: the seeds and prompt layout of nanochat's CORE, so its prompts and scores carry over.
 
 Every prompt starts with <|bos|>, as training documents do. A prompt longer than the model's max_seqlen
-loses tokens on the left. All prompts go through the model as documents of packed buffers (the training
-batch contract, a fixed shape), several items per forward. Under torchrun each rank takes items
-i % world_size of every task and the correct counts are summed over ranks; every rank runs the same number
-of forwards (FSDP2's forwards are collectives), padding with buffers of filler.
+loses tokens on the left; where its scored tokens alone do not fit after one token of context (a long
+choice, for a model of short max_seqlen), their first ones are lost too and the rest are scored. All
+prompts go through the model as documents of packed buffers (the training batch contract, a fixed shape),
+several items per forward. Under torchrun each rank takes items i % world_size of every task and the
+correct counts are summed over ranks; every rank runs the same number of forwards (FSDP2's forwards are
+collectives), padding with buffers of filler.
 """
 
 import csv
@@ -272,9 +274,12 @@ def common_prefix(seqs: list[list]) -> int:
 
 
 def encode(task: Task, index: int, tokenizer, bos_id: int, max_seqlen: int) -> list[Prompt]:
-    """The item's prompts as token sequences with their scored spans, left-truncated to max_seqlen."""
+    """The item's prompts as token sequences with their scored spans, left-truncated to max_seqlen (the
+    scored span too where it leaves no token of context)."""
     seqs = [[bos_id, *tokenizer.encode_ordinary(p)] for p in render(task, index)]
     shortest = min(len(s) for s in seqs)
+    if shortest < 2:
+        raise BundleError(f"task {task.label}, item {index} renders an empty prompt: nothing to score")
     # Every sequence keeps at least one scored token, even where one option's tokens are all another's.
     if task.kind == "multiple_choice":
         start = min(common_prefix(seqs), shortest - 1)
@@ -290,12 +295,9 @@ def encode(task: Task, index: int, tokenizer, bos_id: int, max_seqlen: int) -> l
     out = []
     for s, (start, end) in zip(seqs, spans, strict=True):
         crop = max(0, len(s) - max_seqlen)
-        if start - crop < 1:
-            raise BundleError(
-                f"task {task.label}, item {index}: its scored continuation ({end - start} tokens) leaves no "
-                f"context within the model's max_seqlen={max_seqlen}"
-            )
-        out.append(Prompt(s[crop:], start - crop, end - crop))
+        # A scored token needs the one before it in the window. The item stays in its task (skipping it
+        # would change a task's items with max_seqlen), and a run's CORE does not stop on it.
+        out.append(Prompt(s[crop:], max(start - crop, 1), end - crop))
     return out
 
 

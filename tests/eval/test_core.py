@@ -138,10 +138,82 @@ def test_long_prompts_lose_tokens_on_the_left():
     model = tiny_gpt(max_seqlen=64)
     want = reference_scores(model, [Prompt(cut.tokens, cut.start, cut.end)])
     assert score(model, [cut], 128, BOS, CPU)[0] == pytest.approx(want[0], abs=1e-10)
-    # A continuation that leaves no context inside max_seqlen cannot be scored.
-    long = Task("long", "language_modeling", 0, " ", 0.0, [{"context": "a", "continuation": "b" * 80}])
-    with pytest.raises(BundleError, match="task long, item 0: its scored continuation"):
-        encode(long, 0, enc, BOS, 64)
+
+
+@pytest.mark.parametrize("kind, start", [("multiple_choice", 3), ("language_modeling", 2)])
+def test_a_continuation_longer_than_max_seqlen_keeps_its_last_tokens(tmp_path, kind, start):
+    """Real choices can outgrow a short max_seqlen (PIQA's run to hundreds of tokens): each sequence keeps
+    its last max_seqlen tokens and scores all of them but the first, the rest of the task as usual."""
+    rng = random.Random(0)
+    text = ["".join(rng.choice("abcdefgh ") for _ in range(n)) for n in (90, 75, 20)]
+    if kind == "multiple_choice":
+        choices = ["x" + text[0], "y" + text[1]]
+        items = [
+            {"query": "q", "choices": choices, "gold": 1},
+            {"query": "r", "choices": ["s", "t"], "gold": 0},
+        ]
+    else:
+        items = [{"context": "c", "continuation": text[0]}, {"context": "d", "continuation": text[2]}]
+    task = Task("long", kind, 0, " ", 0.0, items)
+    enc = byte_tokenizer()
+    whole = encode(task, 0, enc, BOS, 1024)
+    cut = encode(task, 0, enc, BOS, 64)
+    # Uncut, scoring starts after "<|bos|>q " (the choices part there) or "<|bos|>c" (the context).
+    assert [p.start for p in whole] == [start] * len(whole)
+    for w, c in zip(whole, cut, strict=True):
+        assert len(w.tokens) > 64 and c.tokens == w.tokens[-64:] and (c.start, c.end) == (1, 64)
+    assert encode(task, 1, enc, BOS, 64) == encode(task, 1, enc, BOS, 1024)  # short items are untouched
+    model = tiny_gpt(max_seqlen=64)
+    losses, greedy = score(model, cut, 128, BOS, CPU)
+    want_losses, want_greedy = reference_scores(model, cut)
+    assert losses == pytest.approx(want_losses, abs=1e-10) and greedy == want_greedy
+    # The whole task goes through evaluate_core: the long item is scored, not an error.
+    spec = {"label": "long", "icl_task_type": kind, "num_fewshot": [0], "baseline": 0.0, "items": items}
+    tasks = load_bundle(core_config(write_bundle(tmp_path / "bundle", [spec])))
+    result = evaluate_core(model, enc, tasks, 128, CPU)
+
+    def right(i):
+        losses, greedy = reference_scores(model, encode(task, i, enc, BOS, 64))
+        return greedy[0] if kind == "language_modeling" else losses.index(min(losses)) == items[i]["gold"]
+
+    assert result.accuracy["long"] == (right(0) + right(1)) / 2
+
+
+def test_a_bundle_in_dclms_own_syntax_loads(tmp_path):
+    """core.yaml as DCLM writes it (block lists, comments, a double-quoted delimiter, has_categories), the
+    metadata CSV with its other columns (quoted descriptions holding commas), items with extra fields."""
+    root = tmp_path / "bundle"
+    (root / "eval_data" / "world_knowledge").mkdir(parents=True)
+    (root / "core.yaml").write_text(
+        "icl_tasks:\n"
+        "-\n"
+        "  label: quiz\n"
+        "  dataset_uri: world_knowledge/quiz.jsonl # relative to eval_data/\n"
+        "  num_fewshot: [1]\n"
+        "  icl_task_type: language_modeling\n"
+        '  continuation_delimiter: "\\nAnswer: " # separates questions from answers\n'
+        "  has_categories: true\n"
+    )
+    (root / "eval_meta_data.csv").write_text(
+        "Eval Task,Task Category,Task Type,#shots,#datapoints,Random baseline,Centered Metric?,Description\n"
+        'quiz,world knowledge,language modeling,1,3,9.1,,"Three questions, each with a ""category""."\n'
+    )
+    items = [{"context": f"Q{i}", "continuation": f"A{i}", "category": "history"} for i in range(3)]
+    path = root / "eval_data" / "world_knowledge" / "quiz.jsonl"
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    (task,) = load_bundle(core_config(root))
+    assert (task.label, task.kind, task.num_fewshot) == ("quiz", "language_modeling", 1)
+    assert (task.delimiter, task.random_baseline) == ("\nAnswer: ", 9.1)
+    assert sorted(task.items, key=lambda item: item["context"]) == items
+    (shot,), item = fewshot_examples(task, 0), task.items[0]
+    want = f"{shot['context']}\nAnswer: {shot['continuation']}\n\n{item['context']}\nAnswer: "
+    assert render(task, 0)[1] == want + item["continuation"]
+
+
+def test_an_empty_prompt_is_named():
+    task = Task("empty", "language_modeling", 0, "", 0.0, [{"context": " ", "continuation": ""}])
+    with pytest.raises(BundleError, match="task empty, item 0 renders an empty prompt"):
+        encode(task, 0, byte_tokenizer(), BOS, 64)
 
 
 def reference_scores(model, prompts: list[Prompt], device="cpu") -> tuple[list[float], list[bool]]:
