@@ -47,7 +47,15 @@ from run.checkpoint import (
     set_rng_state,
 )
 from run.determinism import configure_determinism
-from run.dist import DistInfo, barrier, gather_objects, init_distributed, mean_over_ranks, shutdown
+from run.dist import (
+    DistInfo,
+    barrier,
+    gather_objects,
+    init_distributed,
+    mean_over_ranks,
+    shutdown,
+    wait_for_rank0,
+)
 from run.lock import RunLocked
 from run.parallel import Parallel, load_model_state, model_state, parallelize
 from run.preflight import check_config, find_resume, take_lock
@@ -169,7 +177,7 @@ def set_up(cfg, info: DistInfo, resume: Loaded | None) -> Training:
     attention = default_backend(device) if cfg.attention == "auto" else cfg.attention
     if info.is_main:
         prepare(cfg.data, build=True)
-    barrier(info)
+    wait_for_rank0(info)
     data = prepare(cfg.data, build=False)
     loader = make_loader(cfg, info, data, "train")
     model = GPT(cfg.model, data.vocab_size, attention, cfg.data.max_seqlen).to(device)
@@ -355,7 +363,9 @@ def main(cfg) -> None:
     warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     info, lock = None, None
     try:
-        info = init_distributed(cfg.device, group_of_one=cfg.parallel in ("zero", "fsdp"))
+        info = init_distributed(
+            cfg.device, group_of_one=cfg.parallel in ("zero", "fsdp"), timeout_s=cfg.dist_timeout_s
+        )
         with GracefulStop(info) as stop:
             check_config(cfg, info)
             configure_determinism(cfg.deterministic)  # before any CUDA product: it sets cuBLAS's workspace

@@ -127,6 +127,10 @@ class TrainConfig:
     # fsdp: free each block's gathered weights after its forward and gather them again for the backward
     # (less memory, one more all-gather per block).
     reshard_after_forward: bool = True
+    # Under torchrun, a collective that waits this long for another rank fails the job: a hung rank (a
+    # stuck GPU, a lost node) ends it rather than holding the allocation. Rank 0's data preparation and
+    # checkpoint verification, which the other ranks wait for, are not bound by it (run/dist.py).
+    dist_timeout_s: float = 600.0
     # Bitwise-reproducible training: two runs of one config, or a run killed and resumed, give identical
     # losses and weights (torch's deterministic algorithms, inductor without benchmark-picked kernels,
     # a fixed cuBLAS workspace). README "Reproducibility" gives its measured cost.

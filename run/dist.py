@@ -1,10 +1,17 @@
 """Distributed set-up for `torchrun` (NCCL on GPU, gloo on CPU; ranks and world size from the
 environment, on one node or many) and the few collectives of the run's bookkeeping. The gradients'
 collectives belong to the parallel mode (run/parallel.py).
+
+Two timeouts. A collective of the run fails after `dist_timeout_s` (10 minutes by default, NCCL's own):
+a rank that hangs (a stuck GPU, a lost node) ends the job instead of holding its allocation. Rank 0's work
+alone before training (tokenizing the corpus, verifying the checkpoint to resume from) can take much
+longer, so the other ranks wait for it (`wait_for_rank0`) on a gloo group of its own whose timeout is
+WAIT_FOR_RANK0.
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -18,6 +25,7 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
+    waiting_group: object = field(default=None, compare=False, repr=False)  # see wait_for_rank0
 
     @property
     def is_main(self) -> bool:
@@ -38,9 +46,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def init_distributed(device_name: str, group_of_one: bool = False) -> DistInfo:
+WAIT_FOR_RANK0 = timedelta(hours=24)
+
+
+def init_distributed(device_name: str, group_of_one: bool = False, timeout_s: float = 600) -> DistInfo:
     """This process's rank and device; the process group when there are several ranks, or a group of one
-    with `group_of_one` (FSDP2 and ZeroRedundancyOptimizer need a group even alone)."""
+    with `group_of_one` (FSDP2 and ZeroRedundancyOptimizer need a group even alone), whose collectives
+    fail after `timeout_s` seconds."""
+    if not timeout_s > 0:
+        raise ConfigError(f"dist_timeout_s={timeout_s} must be positive")
+    timeout = timedelta(seconds=timeout_s)
     device = resolve_device(device_name)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -49,11 +64,15 @@ def init_distributed(device_name: str, group_of_one: bool = False) -> DistInfo:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    waiting_group = None
     if world_size > 1:
-        dist.init_process_group(backend, device_id=device_id)
+        dist.init_process_group(backend, device_id=device_id, timeout=timeout)
+        waiting_group = dist.new_group(backend="gloo", timeout=WAIT_FOR_RANK0)
     elif group_of_one:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
-    return DistInfo(rank, local_rank, world_size, device)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id, timeout=timeout
+        )
+    return DistInfo(rank, local_rank, world_size, device, waiting_group)
 
 
 def shutdown(info: DistInfo) -> None:
@@ -64,6 +83,12 @@ def shutdown(info: DistInfo) -> None:
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()
+
+
+def wait_for_rank0(info: DistInfo) -> None:
+    """Every rank waits here until rank 0 arrives from its work alone, for up to WAIT_FOR_RANK0."""
+    if info.enabled:
+        dist.barrier(group=info.waiting_group)
 
 
 def gather_objects(obj, info: DistInfo) -> list:

@@ -22,7 +22,7 @@ from run.checkpoint import (
     load,
     step_of,
 )
-from run.dist import DistInfo, broadcast_object
+from run.dist import DistInfo, broadcast_object, wait_for_rank0
 from run.lock import RunLock, RunLocked
 from run.parallel import check_mode as check_parallel
 
@@ -107,6 +107,7 @@ def find_resume(cfg, checkpointer: Checkpointer, info: DistInfo) -> Loaded | Non
                 picked = loaded.path
         except (CheckpointInvalid, CheckpointMismatch) as err:
             error = err
+    wait_for_rank0(info)  # hashing a large checkpoint's files can outlast a collective's timeout
     error, picked = broadcast_object((error, picked), info)
     if error is not None:
         raise error

@@ -51,7 +51,7 @@ from model.attention import check_backend  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from model.optim import build_optimizers  # noqa: E402
 from run.determinism import configure_determinism  # noqa: E402
-from run.dist import barrier, gather_objects, init_distributed, shutdown  # noqa: E402
+from run.dist import gather_objects, init_distributed, shutdown, wait_for_rank0  # noqa: E402
 from run.parallel import parallelize  # noqa: E402
 from run.preflight import check_config  # noqa: E402
 from train import peak_memory_gb, train_step  # noqa: E402
@@ -198,7 +198,9 @@ def release_memory() -> None:
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg) -> None:
     configure_determinism(cfg.deterministic)
-    info = init_distributed(cfg.device, group_of_one=cfg.parallel in ("zero", "fsdp"))
+    info = init_distributed(
+        cfg.device, group_of_one=cfg.parallel in ("zero", "fsdp"), timeout_s=cfg.dist_timeout_s
+    )
     try:
         bench(cfg, info)
     finally:
@@ -215,7 +217,7 @@ def bench(cfg, info) -> None:
     profile = bool(cfg.get("profile", False))  # +profile=true: per-kernel table of one extra step
     if info.is_main:
         prepare(cfg.data, build=True)
-    barrier(info)
+    wait_for_rank0(info)
     data = prepare(cfg.data, build=False)
     rows = []
     for name in models:

@@ -38,7 +38,7 @@ from eval.core import evaluate_core, load_bundle  # noqa: E402
 from eval.loss import evaluate, token_bytes  # noqa: E402
 from model.export import ExportInvalid, load_model  # noqa: E402
 from run.checkpoint import CheckpointInvalid  # noqa: E402
-from run.dist import barrier, init_distributed, shutdown  # noqa: E402
+from run.dist import init_distributed, shutdown, wait_for_rank0  # noqa: E402
 
 EVALS = ("core", "bpb")
 
@@ -82,8 +82,8 @@ def bits_per_byte(model, enc, meta: dict, args, data_overrides: list[str], info,
     """Validation loss and bits per byte over `args.tokens` buffer tokens of the split (0: all of it)."""
     cfg = overrides_of("data", DataConfig, data_overrides, meta["extra"].get("data"))
     run_data = meta["extra"].get("data")
-    data = open_data(args.source, enc, run_data, cfg) if info.is_main else None  # the others wait for it
-    barrier(info)
+    data = open_data(args.source, enc, run_data, cfg) if info.is_main else None
+    wait_for_rank0(info)
     data = data or open_data(args.source, enc, run_data, cfg)
     loader = PackedLoader(
         data,

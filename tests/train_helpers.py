@@ -4,6 +4,7 @@ ways to start, watch, signal and compare runs."""
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -136,3 +137,61 @@ def mount_tmpfs(path: Path, options: str) -> bool:
         return False
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
     return proc.returncode == 0
+
+
+def start_torchrun(procs: int, args: list[str], log: Path, torchrun_args=()) -> subprocess.Popen:
+    """torchrun in the background, in a process group of its own, its ranks' output and its own into `log`."""
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={procs}",
+                *torchrun_args,
+                "train.py",
+                *args,
+            ],
+            cwd=ROOT,
+            env=train_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def kill_everything(proc: subprocess.Popen) -> None:
+    """SIGKILL every rank (torchrun makes each the leader of a process group) and torchrun itself, at once:
+    what a lost node does."""
+    ranks = children(proc.pid) if proc.poll() is None else []
+    for pid in ranks:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for pid in ranks:  # reaped by init: wait until gone, so the next run starts on a quiet machine
+        for _ in range(2000):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            status = Path(f"/proc/{pid}/stat")
+            if status.exists() and status.read_text().split(") ")[-1].startswith("Z"):
+                break
+            time.sleep(0.005)

@@ -10,12 +10,7 @@ the uninterrupted one. The reference runs are made once per module (`Runs`)."""
 
 import hashlib
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,14 +18,14 @@ import torch
 
 from run.checkpoint import read_model_state, verify
 from tests.train_helpers import (
-    ROOT,
     assert_same_run,
     final_weights,
+    kill_everything,
     logged_steps,
     metrics,
     run_train,
     small_run,
-    train_env,
+    start_torchrun,
     wait_for,
 )
 
@@ -265,63 +260,6 @@ def test_resume_on_other_ranks_or_mode_continues_the_run(runs, tmp_path, corpus,
 
 
 # ---- SIGKILL of every rank around and inside a save ----------------------------------------------------
-
-
-def start_torchrun(procs: int, args: list[str], log: Path) -> subprocess.Popen:
-    """torchrun in the background, in a process group of its own, its ranks' output and its own into `log`."""
-    with open(log, "w") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={procs}",
-                "train.py",
-                *args,
-            ],
-            cwd=ROOT,
-            env=train_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            process_group=0,
-        )
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            found += [int(p) for p in (task / "children").read_text().split()]
-        except FileNotFoundError:
-            pass
-    return found
-
-
-def kill_everything(proc: subprocess.Popen) -> None:
-    """SIGKILL every rank (torchrun makes each the leader of a process group) and torchrun itself, at once:
-    what a lost node does."""
-    ranks = children(proc.pid) if proc.poll() is None else []
-    for pid in ranks:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    for pid in ranks:  # reaped by init: wait until gone, so the next run starts on a quiet machine
-        for _ in range(2000):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            status = Path(f"/proc/{pid}/stat")
-            if status.exists() and status.read_text().split(") ")[-1].startswith("Z"):
-                break
-            time.sleep(0.005)
 
 
 def temporaries(run_dir: Path) -> list[Path]:
