@@ -49,7 +49,6 @@ from run.checkpoint import (
 from run.determinism import configure_determinism
 from run.dist import (
     DistInfo,
-    barrier,
     gather_objects,
     init_distributed,
     mean_over_ranks,
@@ -373,7 +372,9 @@ def main(cfg) -> None:
             checkpointer = Checkpointer(cfg.run_dir, cfg.keep_last, info)
             resume = find_resume(cfg, checkpointer, info)
             code = train(cfg, info, checkpointer, resume, stop)
-            barrier(info)  # no rank tears the process group down while another still uses it
+            # No rank tears the process group down while another still uses it; rank 0 may still be
+            # closing the logs (wandb's upload), which is no collective's business.
+            wait_for_rank0(info)
     except (ConfigError, DataError, CheckpointMismatch, CheckpointInvalid, RunLocked, MetricsLogError) as err:
         sys.exit(f"error: {err}")
     finally:

@@ -80,11 +80,6 @@ def shutdown(info: DistInfo) -> None:
         dist.destroy_process_group()
 
 
-def barrier(info: DistInfo) -> None:
-    if info.enabled:
-        dist.barrier()
-
-
 def wait_for_rank0(info: DistInfo) -> None:
     """Every rank waits here until rank 0 arrives from its work alone, for up to WAIT_FOR_RANK0."""
     if info.enabled:
