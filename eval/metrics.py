@@ -6,6 +6,9 @@ FLOPs of one training step, forward and backward:
 A causal segment of L tokens has L(L+1)/2 visible pairs (fewer with a sliding window). The forward
 does two matmuls over them (QK^T and PV, 2 FLOPs per multiply-add) and the backward 2.5 times that,
 the convention of flash-attn's benchmarks. MFU divides FLOPs per second by the device's dense bf16 peak.
+
+Communication a step leaves exposed: of the time the GPU runs collective kernels (NCCL), the part during
+which no other kernel runs, so that compute waits for it (`exposed_time`, over a profiled step's kernels).
 """
 
 import json
@@ -51,6 +54,32 @@ def visible_pairs(cu_seqlens: torch.Tensor, window: int) -> torch.Tensor:
 def attention_flops(cu_seqlens: torch.Tensor, windows: list[int], n_head: int, head_dim: int) -> torch.Tensor:
     pairs = sum(visible_pairs(cu_seqlens, w) for w in windows)
     return 3.5 * 4 * head_dim * n_head * pairs
+
+
+def merged(intervals) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as disjoint ones, in order."""
+    out = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        elif end > start:
+            out.append((start, end))
+    return out
+
+
+def exposed_time(comm, compute) -> tuple[float, float]:
+    """The length of the union of the `comm` intervals, and of its part that no `compute` interval covers."""
+    comm, compute = merged(comm), merged(compute)
+    total = sum(end - start for start, end in comm)
+    covered, first = 0.0, 0
+    for start, end in comm:
+        while first < len(compute) and compute[first][1] <= start:
+            first += 1
+        i = first
+        while i < len(compute) and compute[i][0] < end:
+            covered += min(end, compute[i][1]) - max(start, compute[i][0])
+            i += 1
+    return total, total - covered
 
 
 class MetricsLogError(ValueError):

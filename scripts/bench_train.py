@@ -25,6 +25,10 @@ Under torchrun (`torchrun --nproc_per_node=N scripts/bench_train.py ...`) every 
 `total_batch_tokens` as train.py does; tokens/s is the whole job's, `tokens_per_s_per_rank` and the MFUs are
 per rank, and memory is the largest rank's: peak memory (on CPU the process's peak RSS), and the bytes of
 this rank's parameters and optimiser states (what the `parallel` mode shards).
+
+`+profile=true` profiles one more step and prints its per-kernel table; on CUDA the row then also has that
+step's communication on rank 0: `comm_s` (seconds of NCCL kernels), `exposed_comm_s` (the part no other
+kernel overlapped, which the step waited for) and `exposed_comm_share` (of the step's wall time).
 """
 
 import gc
@@ -39,6 +43,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from torch.autograd import DeviceType
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
@@ -46,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.schema import ConfigError, register_configs  # noqa: E402
 from data import PackedLoader, prepare  # noqa: E402
-from eval.metrics import device_slug, peak_flops  # noqa: E402
+from eval.metrics import device_slug, exposed_time, peak_flops  # noqa: E402
 from model.attention import check_backend  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from model.optim import build_optimizers  # noqa: E402
@@ -104,17 +109,21 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
         waits.append(result.data_wait_s)
         attn_flops.append(result.attention_flops.item())
         losses.append(loss)
+    comm = {}
     if profile:
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as prof:
             wall = timed_step()[0]
-        print(f"profile of one step, {name} {backend}: {wall:.3f} s wall")
-        print(
-            prof.key_averages().table(
-                sort_by="self_device_time_total", row_limit=40, max_name_column_width=70
+        if device.type == "cuda":
+            comm = communication(prof, wall)
+        if info.is_main:
+            print(f"profile of one step, {name} {backend}: {wall:.3f} s wall, {comm}")
+            print(
+                prof.key_averages().table(
+                    sort_by="self_device_time_total", row_limit=40, max_name_column_width=70
+                )
             )
-        )
     loader.close()
     step_time = sorted(times)[len(times) // 2]
     s = model.shape
@@ -143,8 +152,20 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
         "recompiles": counters["stats"]["unique_graphs"] - graphs_after_first,
         "data_share": sum(waits) / sum(times),
         "final_loss": losses[-1],
+        **comm,
     }
     return row
+
+
+def communication(prof, wall: float) -> dict:
+    """Of the profiled step on this rank: the seconds its GPU ran collectives (NCCL kernels), the part of
+    them that no other kernel overlapped (exposed_time), and that part's share of the step's wall time."""
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = {True: [], False: []}
+    for e in kernels:
+        spans["nccl" in e.name.lower()].append((e.time_range.start / 1e6, e.time_range.end / 1e6))
+    total, exposed = exposed_time(spans[True], spans[False])
+    return {"comm_s": total, "exposed_comm_s": exposed, "exposed_comm_share": exposed / wall}
 
 
 def rank_memory(model, optimizers, device) -> dict:
