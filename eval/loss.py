@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from run.dist import DistInfo, mean_over_ranks
+from run.dist import DistInfo, any_rank, mean_over_ranks
 
 
 def token_bytes(tokenizer, vocab_size: int) -> torch.Tensor:
@@ -24,7 +24,8 @@ def token_bytes(tokenizer, vocab_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(token_losses, batches, byte_lengths: torch.Tensor, max_tokens: int, info: DistInfo) -> dict:
-    """Mean loss per predicted token and bits per byte over up to `max_tokens` buffer tokens per rank.
+    """Mean loss per predicted token and bits per byte over up to `max_tokens` buffer tokens per rank, every
+    rank evaluating as many buffers.
 
     `token_losses` is the model's (possibly compiled) per-position loss function.
     """
@@ -32,9 +33,13 @@ def evaluate(token_losses, batches, byte_lengths: torch.Tensor, max_tokens: int,
     n_tokens = torch.zeros((), dtype=torch.float64, device=info.device)
     n_bytes = torch.zeros((), dtype=torch.float64, device=info.device)
     byte_lengths = byte_lengths.to(info.device)
-    seen = 0
-    for batch in batches:
-        if seen >= max_tokens:
+    batches, seen = iter(batches), 0
+    while True:
+        batch = next(batches, None) if seen < max_tokens else None
+        # The held-out pass can run out on one rank a buffer before another. Every rank stops at the first
+        # buffer some rank lacks: under fsdp each forward gathers weights from all ranks, so an extra
+        # forward on one rank would wait forever.
+        if any_rank(batch is None, info):
             break
         losses = token_losses(
             batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen, batch.targets

@@ -1,0 +1,153 @@
+"""train.py under torchrun on two GPUs, over NCCL: the paths that gloo on the CPU cannot show. Each
+`parallel` mode, compiled, trains what one GPU trains; SIGTERM on one rank stops both after the same step
+and the resumed run is the uninterrupted one bit for bit; a second launch on a run folder in use is
+refused; a run killed (SIGKILL of every rank) on two GPUs resumes on one and then on two again, within
+bf16 rounding of the uninterrupted run. Skipped without two CUDA devices.
+
+The model is small_run's, a little wider for the GPU kernels (head_dim 64), with a constant learning rate so
+that a run cut by max_steps takes the uninterrupted run's steps."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.run.test_parallel import resumed_line, steps_saved
+from tests.train_helpers import (
+    assert_same_run,
+    kill_everything,
+    logged_steps,
+    metrics,
+    run_train,
+    small_run,
+    start_torchrun,
+    wait_for,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+STEPS = 12
+BATCH = 4096
+TIMEOUT = 600
+# Losses of another world size: the same micro-batches, summed in another order in bf16 autocast.
+REL = 2e-2
+
+
+def gpu_run(corpus, run_dir: Path, mode: str = "ddp", *extra) -> list[str]:
+    return small_run(
+        corpus,
+        run_dir,
+        "model.head_dim=64",
+        "data.tokens_per_micro_batch=1024",
+        "data.max_seqlen=256",
+        "data.max_num_docs=32",
+        f"total_batch_tokens={BATCH}",
+        f"max_steps={STEPS}",
+        "save_every=4",
+        "eval_every=4",
+        "sample_every=4",
+        f"eval_tokens={BATCH}",
+        "compile=true",
+        "optim.warmdown_ratio=0",
+        f"parallel={mode}",
+        *extra,
+    )
+
+
+def train(corpus, run_dir: Path, procs: int, mode: str = "ddp", *extra):
+    args = gpu_run(corpus, run_dir, mode, *extra)
+    env = {"TORCH_LOGS": "recompiles"}
+    if procs == 1:
+        return run_train(args, env_extra={**env, "CUDA_VISIBLE_DEVICES": "0"}, timeout=TIMEOUT)
+    return run_train(([], args), torchrun_procs=procs, env_extra=env, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """Uninterrupted runs, made once: one GPU in ddp, two GPUs in each mode."""
+    root, made = tmp_path_factory.mktemp("gpu_runs"), {}
+
+    def get(procs: int, mode: str = "ddp") -> Path:
+        if (procs, mode) not in made:
+            run_dir = root / f"{procs}-{mode}"
+            proc = train(corpus, run_dir, procs, mode)
+            assert "Recompiling" not in proc.stderr, proc.stderr[-3000:]
+            made[procs, mode] = run_dir
+        return made[procs, mode]
+
+    return get
+
+
+def assert_follows(got_dir: Path, want_dir: Path) -> None:
+    got, want = metrics(got_dir), metrics(want_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for a, b in zip(got, want, strict=True):
+        assert a["tokens_seen"] == b["tokens_seen"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=REL), (a["step"], a["loss"], b["loss"])
+        if "val_loss" in b:
+            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=REL), (a["step"], a, b)
+    assert want[-1]["loss"] < 0.8 * want[0]["loss"]  # it learns: the comparison says something
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_two_gpus_in_each_mode_follow_one_gpu(runs, mode):
+    assert_follows(runs(2, mode), runs(1))
+
+
+def rank_pids(proc) -> dict[int, int]:
+    workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    rank = {w: Path(f"/proc/{w}/environ").read_bytes().split(b"\0RANK=")[1].split(b"\0")[0] for w in workers}
+    return {int(r): w for w, r in rank.items()}
+
+
+def test_sigterm_on_one_rank_stops_both_and_the_resume_is_bitwise(runs, tmp_path, corpus):
+    reference = runs(2)
+    run_dir = tmp_path / "run"
+    log = tmp_path / "first.log"
+    args = gpu_run(corpus, run_dir)
+    first = start_torchrun(2, args, log)
+    try:
+        wait_for(lambda: logged_steps(run_dir) >= 5, first, "step 5", timeout=TIMEOUT)
+        ranks = rank_pids(first)
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGSTOP)  # hold both ranks, the lock held, while a second launch tries
+        try:
+            second = run_train(([], args), torchrun_procs=2, check=False, timeout=TIMEOUT)
+        finally:
+            for pid in ranks.values():
+                os.kill(pid, signal.SIGCONT)
+        assert second.returncode != 0
+        assert "is in use by another run: pid" in second.stdout + second.stderr
+        os.kill(ranks[1], signal.SIGTERM)
+        assert first.wait(timeout=TIMEOUT) == 0, log.read_text()[-3000:]
+    finally:
+        kill_everything(first)
+    stopped = logged_steps(run_dir)
+    assert stopped < STEPS, "the run finished before the signal reached it"
+    assert f"stopped by a signal on another rank after step {stopped}: checkpoint" in log.read_text()
+    assert f"step_{stopped:06d}" in steps_saved(run_dir)
+    proc = train(corpus, run_dir, 2)
+    assert resumed_line(proc, run_dir, stopped, 2, "ddp"), proc.stdout
+    assert_same_run(run_dir, reference, STEPS)
+
+
+def test_killed_on_two_gpus_resumes_on_one_then_on_two(runs, tmp_path, corpus):
+    reference = runs(2)
+    run_dir = tmp_path / "run"
+    proc = start_torchrun(2, gpu_run(corpus, run_dir), tmp_path / "killed.log")
+    try:
+        wait_for(lambda: logged_steps(run_dir) >= 6, proc, "step 6", timeout=TIMEOUT)
+    finally:
+        kill_everything(proc)
+    assert "step_000004" in steps_saved(run_dir)
+    first_gpu = {"CUDA_VISIBLE_DEVICES": "0"}
+    one = run_train(gpu_run(corpus, run_dir, "ddp", "max_steps=8"), env_extra=first_gpu, timeout=TIMEOUT)
+    assert resumed_line(one, run_dir, 4, 2, "ddp"), one.stdout
+    two = train(corpus, run_dir, 2, "fsdp")
+    assert resumed_line(two, run_dir, 8, 1, "ddp"), two.stdout
+    assert_follows(run_dir, reference)
