@@ -25,7 +25,7 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
-    waiting_group: object = field(default=None, compare=False, repr=False)  # see wait_for_rank0
+    waiting_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)  # wait_for_rank0
 
     @property
     def is_main(self) -> bool:
