@@ -19,6 +19,7 @@ import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,6 +50,7 @@ from run.checkpoint import (
 from run.determinism import configure_determinism
 from run.dist import (
     DistInfo,
+    from_rank0,
     gather_objects,
     init_distributed,
     mean_over_ranks,
@@ -311,7 +313,8 @@ def core(run: Training, tasks: list, progress: Progress) -> dict:
 
 def sample(run: Training, progress: Progress) -> str:
     """A continuation of sample_prompt, seeded by the step so that a resumed run repeats it: on rank 0, or
-    under fsdp on every rank alike (each forward gathers the weights from all)."""
+    under fsdp on every rank, each taking rank 0's tokens (each forward gathers the weights from all, so
+    every rank must stop at the same token)."""
     cfg = run.cfg
     with run.autocast, run.parallel.sampling():
         text = generate(
@@ -321,6 +324,7 @@ def sample(run: Training, progress: Progress) -> str:
             cfg.sample_prompt,
             cfg.sample_tokens,
             seed=cfg.seed + run.step,
+            agree=partial(from_rank0, info=run.info) if cfg.parallel == "fsdp" else None,
         )
     if run.info.is_main:
         progress.write(f"step {run.step} sample: {text!r}")

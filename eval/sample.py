@@ -7,7 +7,7 @@ which computes exactly what recomputing the context does, at its cost.
 """
 
 import codecs
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -25,13 +25,16 @@ def generate_tokens(
     seed: int = 0,
     stop_id: int | None = None,
     cache: KVCache | bool = True,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[int]:
     """Yield up to max_new_tokens tokens sampled after `ids` (a document's beginning, BOS first), stopping
     before `stop_id`. top-k sampling at `temperature`, seeded; temperature 0 is greedy. `cache`: True for a
     new eager KVCache of the positions this needs; a KVCache to reuse (with compile=True, its compiled
     step and CUDA graph are made once for all the calls that pass it); False to recompute the whole context
-    for every token (what the cache saves; for benchmarks). The only wait for the device per token is for
-    the token picked."""
+    for every token (what the cache saves; for benchmarks). `agree`, where ranks generate together (under
+    fsdp each forward is a collective), maps each rank's picked token to the one all ranks take, so that
+    they stop at the same token even if their logits differ in the last bits. The only wait for the device
+    per token is for the token picked."""
     if not ids:
         raise ValueError("generation needs at least one token to continue (BOS)")
     device = next(model.parameters()).device
@@ -54,6 +57,8 @@ def generate_tokens(
                 cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=device)
                 logits = model(context, torch.arange(n, device=device), cu_seqlens, n)[-1]
         token = pick(logits, temperature, top_k, generator)
+        if agree is not None:
+            token = agree(token)
         next_id = token.item()
         if next_id == stop_id:  # end of document
             return
@@ -83,10 +88,11 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = 50,
     seed: int = 0,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> str:
     """The prompt and its continuation: up to max_new_tokens tokens, ending early at BOS."""
     ids = [bos_id] + tokenizer.encode_ordinary(prompt)
-    options = {"temperature": temperature, "top_k": top_k, "seed": seed, "stop_id": bos_id}
+    options = {"temperature": temperature, "top_k": top_k, "seed": seed, "stop_id": bos_id, "agree": agree}
     new = list(generate_tokens(model, ids, max_new_tokens, **options))
     return tokenizer.decode(ids[1:] + new)
 

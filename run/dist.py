@@ -113,6 +113,13 @@ def broadcast_object(obj, info: DistInfo):
     return box[0]
 
 
+def from_rank0(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Rank 0's `tensor` on every rank (written into it)."""
+    if info.enabled:
+        dist.broadcast(tensor, src=0)
+    return tensor
+
+
 def mean_over_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.enabled:
         value = value.clone()

@@ -3,14 +3,19 @@ context with the model's plain forward for every token; scripts/generate.py and 
 runs them."""
 
 import json
+from datetime import timedelta
+from functools import partial
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from configs.schema import ModelConfig
 from data import tokenizer as tok
 from eval.sample import generate, generate_tokens, stream_text
 from model.gpt import GPT, KVCache
+from run.dist import DistInfo, from_rank0
 from tests.scripts.test_export import checkpoint, checkpoint_model, run_data, script
 from tests.train_helpers import run_train, small_run
 
@@ -140,6 +145,41 @@ def test_generation_stops_before_the_stop_token():
     stop = greedy[8]
     cut = greedy.index(stop)
     assert list(generate_tokens(model, ids, 12, temperature=0, stop_id=stop)) == greedy[:cut]
+
+
+class RankDependent(torch.nn.Module):
+    """A stand-in for a model sharded across ranks: each forward is a collective (an all-reduce, as FSDP's
+    weight gathers are), and greedy decoding follows the last token by one on rank 0, by two on rank 1."""
+
+    max_seqlen = MAX_SEQLEN
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.step = rank + 1
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen):
+        dist.all_reduce(torch.ones(1))
+        logits = torch.zeros(input_ids.numel(), VOCAB)
+        logits[-1, (input_ids[-1] + self.step) % VOCAB] = 1.0
+        return logits
+
+
+def generate_on_rank(rank: int, root) -> None:
+    init = f"file://{root / 'store'}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    info = DistInfo(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"))
+    agree = partial(from_rank0, info=info)
+    tokens = generate_tokens(RankDependent(rank), [5], 6, temperature=0, stop_id=8, cache=False, agree=agree)
+    (root / f"rank{rank}.json").write_text(json.dumps(list(tokens)))
+    dist.destroy_process_group()
+
+
+def test_ranks_generating_together_take_rank0s_tokens_and_stop_together(tmp_path):
+    """Rank 0 alone would give 6, 7 and stop before 8; rank 1 alone 7, 9, 11, ... and never stop. Taking rank
+    0's tokens, both give 6, 7 and run the same forwards (else rank 1's fourth would wait forever)."""
+    mp.start_processes(generate_on_rank, args=(tmp_path,), nprocs=2, start_method="spawn")
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [[6, 7], [6, 7]]
 
 
 @pytest.fixture(scope="module")
