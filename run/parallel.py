@@ -84,10 +84,13 @@ def parallelize(model: nn.Module, mode: str, info: DistInfo, compile: bool, resh
         param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32 if cuda else None
     )
     mesh = init_device_mesh(info.device.type, (info.world_size,))
-    for block in model.blocks:
+    last = len(model.blocks) - 1
+    for i, block in enumerate(model.blocks):
         if compile:
             block.compile(fullgraph=True, dynamic=False)  # in place: parameter names stay as they are
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        # The backward starts with the last block: freeing its gathered weights would only gather them again.
+        reshard = reshard_after_forward and i < last
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for method in ("token_losses", "prefill", "decode"):  # they gather the root's weights as forward does
         register_fsdp_forward_method(model, method)

@@ -382,3 +382,34 @@ def test_sigkill_of_every_rank_around_and_inside_saves_resumes_bitwise(runs, tmp
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_sigkill_at_every_point_of_a_save_resumes_bitwise(runs, tmp_path, corpus, mode):
     kill_and_resume(runs, tmp_path, corpus, mode, KILLS_SLOW)
+
+
+# ---- fsdp's resharding -------------------------------------------------------------------------------
+
+
+def test_fsdp_keeps_the_last_blocks_weights_gathered_for_the_backward():
+    """reshard_after_forward frees every block's gathered weights after its forward but the last one's, which
+    the backward needs first; with it off, every block keeps them."""
+    from torch.distributed.tensor import DTensor
+
+    from configs.schema import ModelConfig
+    from model.gpt import GPT
+    from run.dist import init_distributed, shutdown
+    from run.parallel import parallelize
+
+    info = init_distributed("cpu", group_of_one=True)
+    try:
+        for reshard in (True, False):
+            torch.manual_seed(0)
+            model = GPT(ModelConfig(depth=3, head_dim=16, aspect_ratio=16), 64, "reference", 32)
+            parallel = parallelize(model, "fsdp", info, compile=False, reshard_after_forward=reshard)
+            ids = torch.randint(0, 64, (32,))
+            cu = torch.tensor([0, 20, 32], dtype=torch.int32)
+            pos = torch.cat([torch.arange(20), torch.arange(12)])
+            loss = parallel.forward(ids, pos, cu, 32, ids.roll(-1))
+            gathered = [not isinstance(block.attn.c_q.weight, DTensor) for block in model.blocks]
+            assert gathered == ([False, False, True] if reshard else [True, True, True]), reshard
+            loss.backward()  # the weights are resharded after the backward, and the gradients sharded
+            assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+    finally:
+        shutdown(info)
