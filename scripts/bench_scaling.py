@@ -71,12 +71,16 @@ def ratio(per_gpu: float, base: dict | None) -> str:
 
 
 def communication(row: dict) -> str:
-    """NCCL kernel time of the profiled step, and the part no other kernel overlapped (CUDA runs with
-    +profile=true and several ranks)."""
+    """NCCL kernel time of rank 0's profiled step, and the part no other kernel overlapped, then the least
+    and most exposed of all ranks where recorded (CUDA runs with +profile=true and several ranks)."""
     if not row.get("comm_s"):
         return "-"
     comm, exposed = row["comm_s"] * 1e3, row["exposed_comm_s"] * 1e3
-    return f"{comm:.0f} ms, {exposed:.1f} ms ({row['exposed_comm_share']:.1%})"
+    text = f"{comm:.0f} ms, {exposed:.1f} ms ({row['exposed_comm_share']:.1%})"
+    by_rank = row.get("exposed_comm_s_by_rank")
+    if by_rank:
+        text += f"; ranks {min(by_rank) * 1e3:.1f}-{max(by_rank) * 1e3:.1f} ms"
+    return text
 
 
 def table(rows: dict, modes: list[str], gpus: list[int]) -> str:

@@ -28,7 +28,10 @@ this rank's parameters and optimiser states (what the `parallel` mode shards).
 
 `+profile=true` profiles one more step and prints its per-kernel table; on CUDA the row then also has that
 step's communication on rank 0: `comm_s` (seconds of NCCL kernels), `exposed_comm_s` (the part no other
-kernel overlapped, which the step waited for) and `exposed_comm_share` (of the step's wall time).
+kernel overlapped, which the step waited for) and `exposed_comm_share` (of the step's wall time); and
+`exposed_comm_s_by_rank`, every rank's exposed time. A collective's kernel starts when its rank arrives, so a
+rank that arrives first also waits in it for the others: the smallest of them is the communication's own
+cost, and the spread is the time ranks waited for one another (their micro-batches' work differs).
 """
 
 import gc
@@ -117,6 +120,9 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
             wall = timed_step()[0]
         if device.type == "cuda":
             comm = communication(prof, wall)
+            # A rank that reaches a collective first waits in it for the others: the slowest rank's exposed
+            # time is the communication's own, and the spread is the ranks' imbalance.
+            comm["exposed_comm_s_by_rank"] = gather_objects(comm["exposed_comm_s"], info)
         if info.is_main:
             print(f"profile of one step, {name} {backend}: {wall:.3f} s wall, {comm}")
             print(

@@ -38,13 +38,10 @@ def scaling(*args, check=True):
 def test_table_from_the_files(tmp_path):
     write(tmp_path, "ddp", 1, [row("d12", 1000.0, 1)])
     comm = {"comm_s": 0.0112, "exposed_comm_s": 0.0026, "exposed_comm_share": 0.0018}
+    comm_by_rank = {**comm, "exposed_comm_s_by_rank": [0.0026, 0.0011]}
     write(tmp_path, "ddp", 2, [row("d12", 1900.0, 2, **comm)])
-    write(
-        tmp_path,
-        "fsdp",
-        2,
-        [row("d12", 1700.0, 2), {"model": "d20", "attention": "x", "error": "out of memory"}],
-    )
+    failed = {"model": "d20", "attention": "triton", "error": "out of memory"}  # left out of the table
+    write(tmp_path, "fsdp", 2, [row("d12", 1700.0, 2, **comm_by_rank), failed])
     scaling("--gpus", "1", "2", "--modes", "ddp", "fsdp", "--out", str(tmp_path), "--table-only")
     lines = (tmp_path / "table.md").read_text().splitlines()
     assert lines[2:] == [
@@ -53,7 +50,9 @@ def test_table_from_the_files(tmp_path):
         "| d12 | `ddp` | 2 | 1,900 | 950 | 95.0% / 95.0% | 50.0% / 40.0% | 10.0 | 2.00 "
         "| 11 ms, 2.6 ms (0.2%) |",
         # fsdp has no one-GPU row: its fewest GPUs are 2 (850 over 1,700), and against ddp 850 over 1,000.
-        "| d12 | `fsdp` | 2 | 1,700 | 850 | 50.0% / 85.0% | 50.0% / 40.0% | 10.0 | 2.00 | - |",
+        "| d12 | `fsdp` | 2 | 1,700 | 850 | 50.0% / 85.0% | 50.0% / 40.0% | 10.0 | 2.00 "
+        # every rank's exposed time recorded: the least and the most
+        "| 11 ms, 2.6 ms (0.2%); ranks 1.1-2.6 ms |",
     ]
 
 
