@@ -1,8 +1,8 @@
 """train.py under torchrun on two GPUs, over NCCL: the paths that gloo on the CPU cannot show. Each
 `parallel` mode, compiled, trains what one GPU trains; SIGTERM on one rank stops both after the same step
 and the resumed run is the uninterrupted one bit for bit; a second launch on a run folder in use is
-refused; a run killed (SIGKILL of every rank) on two GPUs resumes on one and then on two again, within
-bf16 rounding of the uninterrupted run. Skipped without two CUDA devices.
+refused; a run killed (SIGKILL of every rank) on two GPUs resumes on two bit for bit, and on one and then
+on two again within bf16 rounding of the uninterrupted run. Skipped without two CUDA devices.
 
 The model is small_run's, a little wider for the GPU kernels (head_dim 64), with a constant learning rate so
 that a run cut by max_steps takes the uninterrupted run's steps."""
@@ -136,15 +136,28 @@ def test_sigterm_on_one_rank_stops_both_and_the_resume_is_bitwise(runs, tmp_path
     assert_same_run(run_dir, reference, STEPS)
 
 
-def test_killed_on_two_gpus_resumes_on_one_then_on_two(runs, tmp_path, corpus):
-    reference = runs(2)
-    run_dir = tmp_path / "run"
-    proc = start_torchrun(2, gpu_run(corpus, run_dir), tmp_path / "killed.log")
+def killed_after_step_6(corpus, run_dir: Path, log: Path) -> None:
+    """Two GPUs, all processes SIGKILLed once step 6 is logged: the newest checkpoint is step 4's."""
+    proc = start_torchrun(2, gpu_run(corpus, run_dir), log)
     try:
         wait_for(lambda: logged_steps(run_dir) >= 6, proc, "step 6", timeout=TIMEOUT)
     finally:
         kill_everything(proc)
     assert "step_000004" in steps_saved(run_dir)
+
+
+def test_killed_on_two_gpus_resumes_on_two_bitwise(runs, tmp_path, corpus):
+    run_dir = tmp_path / "run"
+    killed_after_step_6(corpus, run_dir, tmp_path / "killed.log")
+    proc = train(corpus, run_dir, 2)
+    assert resumed_line(proc, run_dir, 4, 2, "ddp"), proc.stdout
+    assert_same_run(run_dir, runs(2), STEPS)
+
+
+def test_killed_on_two_gpus_resumes_on_one_then_on_two(runs, tmp_path, corpus):
+    reference = runs(2)
+    run_dir = tmp_path / "run"
+    killed_after_step_6(corpus, run_dir, tmp_path / "killed.log")
     first_gpu = {"CUDA_VISIBLE_DEVICES": "0"}
     one = run_train(gpu_run(corpus, run_dir, "ddp", "max_steps=8"), env_extra=first_gpu, timeout=TIMEOUT)
     assert resumed_line(one, run_dir, 4, 2, "ddp"), one.stdout
