@@ -10,19 +10,29 @@ the uninterrupted one. The reference runs are made once per module (`Runs`)."""
 
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
+from configs.schema import ModelConfig
+from model.gpt import GPT
 from run.checkpoint import read_model_state, verify
+from run.dist import init_distributed, shutdown
+from run.parallel import parallelize
 from tests.train_helpers import (
     assert_same_run,
+    children,
     final_weights,
     kill_everything,
     logged_steps,
     metrics,
+    mount_tmpfs,
     run_train,
     small_run,
     start_torchrun,
@@ -384,19 +394,61 @@ def test_sigkill_at_every_point_of_a_save_resumes_bitwise(runs, tmp_path, corpus
     kill_and_resume(runs, tmp_path, corpus, mode, KILLS_SLOW)
 
 
+# ---- a full disk during a distributed save ---------------------------------------------------------------
+
+
+def test_full_disk_during_a_distributed_save_training_goes_on(runs, tmp_path, corpus):
+    """Two ranks, a checkpoint every step, and the run_dir's filesystem (a tmpfs of few inodes) full in the
+    middle of a save: one rank's shard meets ENOSPC, every rank learns the save failed, rank 0 removes the
+    temporary folder and says so, training goes on, the next save succeeds once there is room, and the run
+    ends as the uninterrupted one, bit for bit."""
+    disk = tmp_path / "disk"
+    if not mount_tmpfs(disk, "size=64m,nr_inodes=400"):
+        pytest.skip("cannot mount a tmpfs here (needs root on Linux)")
+    try:
+        run_dir = disk / "run"
+        log = tmp_path / "log"
+        proc = start_torchrun(2, overrides(corpus, run_dir, "ddp", STEPS, 512, "save_every=1"), log)
+        try:
+            wait_for(lambda: "step_000002" in steps_saved(run_dir), proc, "the second checkpoint")
+            ranks = children(proc.pid)
+            for pid in ranks:
+                os.kill(pid, signal.SIGSTOP)
+            filler = disk / "filler"
+            filler.mkdir()
+            for i in range(os.statvfs(disk).f_ffree - 2):  # room for the temporary folder and one file
+                (filler / str(i)).touch()
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: "No space left on device" in log.read_text(), proc, "ENOSPC", timeout=TIMEOUT)
+            for pid in ranks:  # held while the room comes back, so that the run cannot end meanwhile
+                os.kill(pid, signal.SIGSTOP)
+            failed = logged_steps(run_dir)
+            for p in filler.iterdir():
+                p.unlink()
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+            assert proc.wait(timeout=TIMEOUT) == 0, log.read_text()[-3000:]
+        finally:
+            kill_everything(proc)
+        text = log.read_text()
+        assert "not written: [Errno 28] No space left on device" in text
+        assert "Training goes on" in text
+        assert failed < STEPS and steps_saved(run_dir)[-1] == f"step_{STEPS:06d}"
+        assert temporaries(run_dir) == []  # the failed save's folder is gone
+        for name in steps_saved(run_dir):
+            verify(run_dir / "checkpoints" / name)
+        assert_same_run(run_dir, runs.get(2), STEPS)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 # ---- fsdp's resharding -------------------------------------------------------------------------------
 
 
 def test_fsdp_keeps_the_last_blocks_weights_gathered_for_the_backward():
     """reshard_after_forward frees every block's gathered weights after its forward but the last one's, which
     the backward needs first; with it off, every block keeps them."""
-    from torch.distributed.tensor import DTensor
-
-    from configs.schema import ModelConfig
-    from model.gpt import GPT
-    from run.dist import init_distributed, shutdown
-    from run.parallel import parallelize
-
     info = init_distributed("cpu", group_of_one=True)
     try:
         for reshard in (True, False):
