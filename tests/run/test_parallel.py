@@ -2,7 +2,8 @@
 the uninterrupted single-process run of the same global batch. Every mode trains what one process trains;
 their checkpoints (torch.distributed.checkpoint folders) resume bit for bit with the same ranks and mode,
 and within float rounding on another number of ranks or in the other mode; a SIGKILL of every rank in the
-middle of a save leaves the previous checkpoint to resume from.
+middle of a save leaves the previous checkpoint to resume from, and a full disk in a save only fails that
+save. fsdp leaves the last block's weights gathered for the backward.
 
 Every run here is 8 steps of the tiny `small_run` model with a constant learning rate
 (optim.warmdown_ratio=0), so that a run cut in two by max_steps=4 then max_steps=8 takes the same steps as
