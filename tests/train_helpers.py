@@ -171,6 +171,15 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def rank_pids(proc: subprocess.Popen) -> dict[int, int]:
+    """torchrun's workers by global rank (from their environment)."""
+    rank = {
+        w: Path(f"/proc/{w}/environ").read_bytes().split(b"\0RANK=")[1].split(b"\0")[0]
+        for w in children(proc.pid)
+    }
+    return {int(r): w for w, r in rank.items()}
+
+
 def kill_everything(proc: subprocess.Popen) -> None:
     """SIGKILL every rank (torchrun makes each the leader of a process group) and torchrun itself, at once:
     what a lost node does."""

@@ -20,6 +20,7 @@ from tests.train_helpers import (
     kill_everything,
     logged_steps,
     metrics,
+    rank_pids,
     run_train,
     small_run,
     start_torchrun,
@@ -97,12 +98,6 @@ def assert_follows(got_dir: Path, want_dir: Path) -> None:
 @pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
 def test_two_gpus_in_each_mode_follow_one_gpu(runs, mode):
     assert_follows(runs(2, mode), runs(1))
-
-
-def rank_pids(proc) -> dict[int, int]:
-    workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-    rank = {w: Path(f"/proc/{w}/environ").read_bytes().split(b"\0RANK=")[1].split(b"\0")[0] for w in workers}
-    return {int(r): w for w, r in rank.items()}
 
 
 def test_sigterm_on_one_rank_stops_both_and_the_resume_is_bitwise(runs, tmp_path, corpus):

@@ -3,7 +3,8 @@ the uninterrupted single-process run of the same global batch. Every mode trains
 their checkpoints (torch.distributed.checkpoint folders) resume bit for bit with the same ranks and mode,
 and within float rounding on another number of ranks or in the other mode; a SIGKILL of every rank in the
 middle of a save leaves the previous checkpoint to resume from, and a full disk in a save only fails that
-save. fsdp leaves the last block's weights gathered for the backward.
+save; a second launch on a run in use is refused. fsdp leaves the last block's weights gathered for the
+backward.
 
 Every run here is 8 steps of the tiny `small_run` model with a constant learning rate
 (optim.warmdown_ratio=0), so that a run cut in two by max_steps=4 then max_steps=8 takes the same steps as
@@ -34,6 +35,7 @@ from tests.train_helpers import (
     logged_steps,
     metrics,
     mount_tmpfs,
+    rank_pids,
     run_train,
     small_run,
     start_torchrun,
@@ -393,6 +395,35 @@ def test_sigkill_of_every_rank_around_and_inside_saves_resumes_bitwise(runs, tmp
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_sigkill_at_every_point_of_a_save_resumes_bitwise(runs, tmp_path, corpus, mode):
     kill_and_resume(runs, tmp_path, corpus, mode, KILLS_SLOW)
+
+
+# ---- the lock under torchrun ------------------------------------------------------------------------------
+
+
+def test_second_launch_on_a_run_in_use_is_refused_and_the_first_goes_on(runs, tmp_path, corpus):
+    """While two ranks train (held by SIGSTOP), a second two-rank launch on the same run_dir is refused
+    before any data work, naming the first run's rank 0; the first then finishes as the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    args = overrides(corpus, run_dir, "ddp", STEPS, 512)
+    log = tmp_path / "first.log"
+    first = start_torchrun(2, args, log)
+    try:
+        wait_for(lambda: logged_steps(run_dir) >= 2, first, "step 2", timeout=TIMEOUT)
+        ranks = rank_pids(first)
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            second = run_train(([], args), torchrun_procs=2, check=False, timeout=TIMEOUT)
+        finally:
+            for pid in ranks.values():
+                os.kill(pid, signal.SIGCONT)
+        assert first.wait(timeout=TIMEOUT) == 0, log.read_text()[-3000:]
+    finally:
+        kill_everything(first)
+    assert second.returncode != 0
+    assert f"is in use by another run: pid {ranks[0]}" in second.stdout + second.stderr
+    assert "data:" not in second.stdout  # refused before anything else
+    assert_same_run(run_dir, runs.get(2), STEPS)
 
 
 # ---- a full disk during a distributed save ---------------------------------------------------------------
