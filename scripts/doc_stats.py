@@ -1,10 +1,18 @@
-"""Documents per buffer for a prepared shard set, and the max_num_docs to use for a given T.
+"""Documents per buffer for a prepared shard set, and the max_num_docs to use for a given T; with `+ranks=N`,
+how evenly N ranks share the attention work of each step.
 
-    python scripts/doc_stats.py data.tokens_per_micro_batch=8192 data.max_seqlen=2048 [+buffers=20000]
+    python scripts/doc_stats.py data.tokens_per_micro_batch=8192 data.max_seqlen=2048 [+buffers=20000] \
+        [+ranks=2 [+steps=30] model=d12 total_batch_tokens=524288]
 
 Packs (a sample of) the train split as training would, with no limit on segments, and prints how many
 attention segments (documents, splits of documents longer than max_seqlen, filler) each buffer needed.
 A max_num_docs below a buffer's need closes that buffer early (overflow): the rest becomes filler.
+
+With `+ranks=N`, loads the first `+steps` steps of each of N ranks as training does (each rank's
+micro-batches of `total_batch_tokens`) and prints the in-document attention FLOPs of each rank's share of a
+step for the configured model, and their spread across ranks: every micro-batch holds as many tokens, but
+attention's work grows with the square of the document lengths, and a rank with less of it waits for the
+others at the gradient all-reduce.
 """
 
 import sys
@@ -14,11 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-from configs.schema import register_configs  # noqa: E402
-from data import DataError, prepare  # noqa: E402
+from configs.schema import ConfigError, register_configs  # noqa: E402
+from data import DataError, PackedLoader, prepare  # noqa: E402
 from data.config import segments  # noqa: E402
 from data.packing import Documents, Packer  # noqa: E402
+from eval.metrics import attention_flops  # noqa: E402
+from model.gpt import GPTShape, layer_windows  # noqa: E402
 
 register_configs()
 TARGET_OVERFLOW = 0.001  # recommend the smallest max_num_docs that overflows at most this share of buffers
@@ -75,11 +86,46 @@ def main_stats(cfg, max_buffers: int) -> None:
     )
 
 
+def rank_balance(cfg, ranks: int, steps: int) -> None:
+    d, m = cfg.data, cfg.model
+    accum = cfg.total_batch_tokens // (d.tokens_per_micro_batch * ranks)
+    if accum < 1 or accum * d.tokens_per_micro_batch * ranks != cfg.total_batch_tokens:
+        raise ConfigError(
+            f"total_batch_tokens={cfg.total_batch_tokens} is not a multiple of "
+            f"data.tokens_per_micro_batch={d.tokens_per_micro_batch} x {ranks} ranks"
+        )
+    prepared = prepare(d, build=True)
+    shape = GPTShape.from_config(m, prepared.vocab_size)
+    windows = layer_windows(m.window_pattern, m.short_window, shape.n_layer)
+    work = np.zeros((steps, ranks))
+    for rank in range(ranks):
+        loader = PackedLoader(prepared, d, "train", rank=rank, world_size=ranks, seed=cfg.seed)
+        batches = iter(loader)
+        for step in range(steps):
+            for _ in range(accum):
+                cu = next(batches).cu_seqlens
+                work[step, rank] += float(attention_flops(cu, windows, shape.n_head, shape.head_dim))
+        loader.close()
+    spread = work.max(axis=1) - work.min(axis=1)
+    print(
+        f"\nattention work per rank and step, {ranks} ranks x {accum} micro-batches, {steps} steps, "
+        f"{shape.n_layer} layers x {shape.n_head} heads x {shape.head_dim}: "
+        f"mean {work.mean() / 1e12:.4g} TFLOP"
+    )
+    print(
+        f"spread between ranks (most - least) per step: mean {spread.mean() / 1e12:.4g} TFLOP "
+        f"({spread.mean() / work.mean():.1%} of a rank's), max {spread.max() / 1e12:.4g} TFLOP"
+    )
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg) -> None:
     try:
         main_stats(cfg, int(cfg.get("buffers", 20000)))
-    except DataError as err:
+        if cfg.get("ranks"):
+            torch.set_num_threads(1)  # small tensors: threads cost more than they give
+            rank_balance(cfg, int(cfg.ranks), int(cfg.get("steps", 30)))
+    except (DataError, ConfigError) as err:
         sys.exit(f"error: {err}")
 
 
