@@ -343,14 +343,20 @@ def _tokenize(cfg, source: Source, raw: bytes, enc: tiktoken.Encoding, folder: P
     writers = {s: _ShardWriter(folder, s, _dtype(enc), bos, cfg.shard_tokens) for s in SPLITS}
     counts = {"skipped_empty": 0}
     workers = cfg.num_workers or os.cpu_count() or 1
-    # fork: workers start at once and need nothing re-imported; they only run tiktoken.
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # Not fork: under torchrun this process already runs threads (the process groups', tqdm's), and a fork
+    # copies their locks, held or not. A forkserver is one clean process that imports this module once and
+    # forks each worker from itself.
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+    else:
+        context = multiprocessing.get_context("spawn")
     total = source.size_hint()
     if total is not None and cfg.max_docs is not None:
         total = min(total, cfg.max_docs)
     kept, total_tokens = 0, 0
     with (
-        multiprocessing.get_context(method).Pool(workers, _init_worker, (raw,)) as pool,
+        context.Pool(workers, _init_worker, (raw,)) as pool,
         tqdm(total=total, unit="doc", desc="tokenizing", dynamic_ncols=True, mininterval=1) as bar,
     ):
         inflight = deque()
