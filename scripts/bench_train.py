@@ -120,8 +120,6 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
             wall = timed_step()[0]
         if device.type == "cuda":
             comm = communication(prof, wall)
-            # A rank that reaches a collective first waits in it for the others: the slowest rank's exposed
-            # time is the communication's own, and the spread is the ranks' imbalance.
             comm["exposed_comm_s_by_rank"] = gather_objects(comm["exposed_comm_s"], info)
         if info.is_main:
             print(f"profile of one step, {name} {backend}: {wall:.3f} s wall, {comm}")

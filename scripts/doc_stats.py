@@ -30,6 +30,8 @@ from data.config import segments  # noqa: E402
 from data.packing import Documents, Packer  # noqa: E402
 from eval.metrics import attention_flops  # noqa: E402
 from model.gpt import GPTShape, layer_windows  # noqa: E402
+from run.dist import DistInfo  # noqa: E402
+from run.preflight import check_config  # noqa: E402
 
 register_configs()
 TARGET_OVERFLOW = 0.001  # recommend the smallest max_num_docs that overflows at most this share of buffers
@@ -89,11 +91,6 @@ def main_stats(cfg, max_buffers: int) -> None:
 def rank_balance(cfg, ranks: int, steps: int) -> None:
     d, m = cfg.data, cfg.model
     accum = cfg.total_batch_tokens // (d.tokens_per_micro_batch * ranks)
-    if accum < 1 or accum * d.tokens_per_micro_batch * ranks != cfg.total_batch_tokens:
-        raise ConfigError(
-            f"total_batch_tokens={cfg.total_batch_tokens} is not a multiple of "
-            f"data.tokens_per_micro_batch={d.tokens_per_micro_batch} x {ranks} ranks"
-        )
     prepared = prepare(d, build=True)
     shape = GPTShape.from_config(m, prepared.vocab_size)
     windows = layer_windows(m.window_pattern, m.short_window, shape.n_layer)
@@ -121,10 +118,13 @@ def rank_balance(cfg, ranks: int, steps: int) -> None:
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg) -> None:
     try:
+        ranks = int(cfg.get("ranks", 0))
+        if ranks:  # the run's own checks (total_batch_tokens against the ranks), before any work
+            check_config(cfg, DistInfo(rank=0, local_rank=0, world_size=ranks, device=torch.device("cpu")))
         main_stats(cfg, int(cfg.get("buffers", 20000)))
-        if cfg.get("ranks"):
+        if ranks:
             torch.set_num_threads(1)  # small tensors: threads cost more than they give
-            rank_balance(cfg, int(cfg.ranks), int(cfg.get("steps", 30)))
+            rank_balance(cfg, ranks, int(cfg.get("steps", 30)))
     except (DataError, ConfigError) as err:
         sys.exit(f"error: {err}")
 

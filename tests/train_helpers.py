@@ -173,11 +173,11 @@ def children(pid: int) -> list[int]:
 
 def rank_pids(proc: subprocess.Popen) -> dict[int, int]:
     """torchrun's workers by global rank (from their environment)."""
-    rank = {
-        w: Path(f"/proc/{w}/environ").read_bytes().split(b"\0RANK=")[1].split(b"\0")[0]
-        for w in children(proc.pid)
-    }
-    return {int(r): w for w, r in rank.items()}
+    ranks = {}
+    for pid in children(proc.pid):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        ranks[int(next(v for v in env if v.startswith(b"RANK="))[5:])] = pid
+    return ranks
 
 
 def kill_everything(proc: subprocess.Popen) -> None:

@@ -7,17 +7,9 @@ import signal
 import time
 from pathlib import Path
 
-from tests.train_helpers import children, kill_everything, logged_steps, small_run, start_torchrun, wait_for
+from tests.train_helpers import kill_everything, logged_steps, rank_pids, small_run, start_torchrun, wait_for
 
 TIMEOUT_S = 3
-
-
-def rank_pid(torchrun, rank: int) -> int:
-    """The pid of torchrun's worker of global rank `rank`."""
-    for pid in children(torchrun.pid):
-        if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            return pid
-    raise AssertionError(f"no worker of rank {rank} under torchrun {torchrun.pid}")
 
 
 def test_rank0_preparing_the_data_beyond_the_timeout_does_not_fail_the_rank_waiting(tmp_path, corpus):
@@ -28,7 +20,7 @@ def test_rank0_preparing_the_data_beyond_the_timeout_does_not_fail_the_rank_wait
     proc = start_torchrun(2, args, log)
     try:
         wait_for(lambda: "data: preparing" in log.read_text(), proc, "data preparation")
-        rank0 = rank_pid(proc, 0)
+        rank0 = rank_pids(proc)[0]
         os.kill(rank0, signal.SIGSTOP)
         assert "data: prepared" not in log.read_text()  # held inside the preparation
         time.sleep(3 * TIMEOUT_S)
@@ -54,8 +46,8 @@ def test_a_rank_hanging_in_training_ends_the_job_after_the_timeout(tmp_path, cor
     proc = start_torchrun(2, args, log)
     try:
         wait_for(lambda: logged_steps(run_dir) >= 2, proc, "step 2")
-        rank0 = rank_pid(proc, 0)
-        os.kill(rank_pid(proc, 1), signal.SIGSTOP)  # a stuck GPU or a lost node: alive, never answering
+        rank0 = rank_pids(proc)[0]
+        os.kill(rank_pids(proc)[1], signal.SIGSTOP)  # a stuck GPU or a lost node: alive, never answering
         stopped = time.monotonic()
         # Rank 0's next collective fails after the timeout and it exits; torchrun then ends the others.
         wait_for(lambda: gone(rank0), proc, "rank 0 to exit", timeout=120)
