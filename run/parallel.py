@@ -9,16 +9,20 @@ out of checkpoints by parameter name, whatever the mode and the number of ranks.
 - `zero`: as `ddp` for the model and its gradients; each optimiser is a ZeroRedundancyOptimizer
   (model/optim.py), so each rank keeps the optimiser states of its own whole parameters (about 1/N of them,
   balanced by size), steps those, and broadcasts them to the other ranks. Checkpoints hold the same
-  optimiser state by parameter name as `ddp`'s, each rank writing its parameters' part.
+  optimiser state by parameter name as `ddp`'s, each rank writing its parameters' part. With one rank there
+  is nothing to shard: the optimisers are the plain ones (train.py), and `zero` is `ddp`.
 - `fsdp`: FSDP2 (`fully_shard`) on each block, then on the root (embedding and head): every parameter, its
   gradient and its optimiser state are sharded over the ranks along their first dimension; a block's
   weights are all-gathered for its forward (and, with `reshard_after_forward`, again for its backward), its
   gradients reduce-scattered after its backward, on every micro-step. On CUDA the gathered weights are bf16
-  and gradients are reduced in fp32; the fp32 shards are the master weights. Each block is compiled on its
-  own (FSDP2's hooks run between blocks), and the embedding, final norm and loss run eagerly around them.
+  and gradients are reduced in fp32; the fp32 shards are the master weights. Each block's forward is
+  compiled on its own (`compile_blocks`), and FSDP2's hooks, the embedding, the final norm and the loss
+  run eagerly around them.
   It runs with one rank too (a process group of one), which is how a single GPU measures it.
 """
 
+import functools
+import types
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -45,6 +49,32 @@ def check_mode(mode: str) -> None:
 def compiled(fn):
     """One graph, never recompiled: every batch has the same shapes (see data/loader.py)."""
     return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def _block_forward(block: nn.Module, *args, **kwargs):
+    return type(block).forward(block, *args, **kwargs)
+
+
+def compile_blocks(blocks: nn.ModuleList) -> None:
+    """Compile each block's forward; FSDP2's hooks run eagerly around it. Dynamo keeps its graphs on the
+    compiled function's code and guards on the grad mode and on the block's attention window, so a single
+    function would recompile at the first evaluation and at the first block of another window. Each
+    (grad mode, window) gets a copy of the function of its own, compiled once for the blocks that share it."""
+    graphs = {}
+
+    def graph(grad: bool, window: int):
+        if (grad, window) not in graphs:
+            name = f"block_{'train' if grad else 'eval'}_window_{window}".replace("-", "full")
+            code = _block_forward.__code__.replace(co_name=name, co_qualname=name)
+            graphs[grad, window] = compiled(types.FunctionType(code, _block_forward.__globals__, name))
+        return graphs[grad, window]
+
+    for block in blocks:
+        block.forward = functools.partial(_dispatch, block, graph)
+
+
+def _dispatch(block: nn.Module, graph, *args, **kwargs):
+    return graph(torch.is_grad_enabled(), block.attn.window)(block, *args, **kwargs)
 
 
 @dataclass
@@ -84,10 +114,10 @@ def parallelize(model: nn.Module, mode: str, info: DistInfo, compile: bool, resh
         param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32 if cuda else None
     )
     mesh = init_device_mesh(info.device.type, (info.world_size,))
+    if compile:
+        compile_blocks(model.blocks)  # in place: parameter names stay as they are
     last = len(model.blocks) - 1
     for i, block in enumerate(model.blocks):
-        if compile:
-            block.compile(fullgraph=True, dynamic=False)  # in place: parameter names stay as they are
         # The backward starts with the last block: freeing its gathered weights would only gather them again.
         reshard = reshard_after_forward and i < last
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)

@@ -497,3 +497,30 @@ def test_fsdp_keeps_the_last_blocks_weights_gathered_for_the_backward():
             assert all(isinstance(p.grad, DTensor) for p in model.parameters())
     finally:
         shutdown(info)
+
+
+def test_compiled_fsdp_blocks_train_and_evaluate_without_recompiling():
+    """Training (grad on) and evaluation (no_grad) run the same blocks, of two attention windows: each grad
+    mode and window has its own graph, compiled once, and all give what the eager model gives."""
+    info = init_distributed("cpu", group_of_one=True)
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        cfg = ModelConfig(depth=4, head_dim=16, aspect_ratio=16, window_pattern="SSSL", short_window=8)
+        model, eager = GPT(cfg, 64, "reference", 32), GPT(cfg, 64, "reference", 32)
+        eager.load_state_dict(model.state_dict())
+        parallel = parallelize(model, "fsdp", info, compile=True, reshard_after_forward=True)
+        cu = torch.tensor([0, 20, 32], dtype=torch.int32)
+        pos = torch.cat([torch.arange(20), torch.arange(12)])
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for seed in range(2):  # train, evaluate, train, evaluate: a recompile would raise
+                ids = torch.randint(0, 64, (32,), generator=torch.Generator().manual_seed(seed))
+                loss = parallel.forward(ids, pos, cu, 32, ids.roll(-1))
+                loss.backward()
+                torch.testing.assert_close(loss, eager(ids, pos, cu, 32, ids.roll(-1)))
+                with torch.no_grad():
+                    got = parallel.token_losses(ids, pos, cu, 32, ids.roll(-1))
+                    torch.testing.assert_close(got, eager.token_losses(ids, pos, cu, 32, ids.roll(-1)))
+    finally:
+        torch._dynamo.reset()
+        shutdown(info)
