@@ -180,12 +180,13 @@ def set_up(cfg, info: DistInfo, resume: Loaded | None) -> Training:
         prepare(cfg.data, build=True)
     wait_for_rank0(info)
     data = prepare(cfg.data, build=False)
+    check_val_split(cfg, info, data)
     loader = make_loader(cfg, info, data, "train")
     model = GPT(cfg.model, data.vocab_size, attention, cfg.data.max_seqlen).to(device)
     # Evaluation compiles too: eager FlexAttention would materialise the [T, T] scores.
     parallel = parallelize(model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward)
     # After sharding: they hold the sharded parameters.
-    optimizers = build_optimizers(model, cfg.optim, shard=cfg.parallel == "zero")
+    optimizers = build_optimizers(model, cfg.optim, shard=cfg.parallel == "zero" and info.world_size > 1)
     step, tokens_seen, wandb_id = 0, 0, None
     if resume is not None:
         step, tokens_seen, wandb_id = restore(resume, model, optimizers, loader, data, info)
@@ -230,6 +231,20 @@ def make_loader(cfg, info: DistInfo, data: Prepared, split: str) -> PackedLoader
         device=info.device,
         infinite=split == "train",
     )
+
+
+def check_val_split(cfg, info: DistInfo, data: Prepared) -> None:
+    """Every rank evaluates whole buffers of its own (global buffer i on rank i % world_size), so the held-out
+    split must pack into at least one buffer per rank: found now, not at the first evaluation."""
+    val = make_loader(cfg, info, data, "val")
+    buffers = val.pass_buffers(at_most=info.world_size)
+    val.close()
+    if buffers < info.world_size:
+        raise DataError(
+            f"the validation split packs into {buffers} buffer(s) of data.tokens_per_micro_batch="
+            f"{cfg.data.tokens_per_micro_batch} tokens, fewer than the {info.world_size} ranks that each "
+            "evaluate buffers of their own: raise data.val_fraction or use more data"
+        )
 
 
 def restore(resume: Loaded, model: GPT, optimizers, loader: PackedLoader, data: Prepared, info: DistInfo):
@@ -366,9 +381,7 @@ def main(cfg) -> None:
     warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     info, lock = None, None
     try:
-        info = init_distributed(
-            cfg.device, group_of_one=cfg.parallel in ("zero", "fsdp"), timeout_s=cfg.dist_timeout_s
-        )
+        info = init_distributed(cfg.device, group_of_one=cfg.parallel == "fsdp", timeout_s=cfg.dist_timeout_s)
         with GracefulStop(info) as stop:
             check_config(cfg, info)
             configure_determinism(cfg.deterministic)  # before any CUDA product: it sets cuBLAS's workspace

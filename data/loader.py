@@ -81,6 +81,16 @@ class PackedLoader:
         self._thread = None
         self._reset_stats()
 
+    def pass_buffers(self, at_most: int) -> int:
+        """How many buffers one pass of this finite split packs into over all ranks, counted up to `at_most`
+        (planning only, no tokens read)."""
+        packer = self.packer
+        packer = Packer(packer.lengths, self.T, self.S, self.N, packer.window, packer.order_of, False)
+        count = 0
+        while count < at_most and packer.next_plan() is not None:
+            count += 1
+        return count
+
     # ---- iteration --------------------------------------------------------------------------------
 
     def __iter__(self):

@@ -46,13 +46,13 @@ def test_default_run_learns_evaluates_samples_and_saves(tmp_path, stdlib_cache):
 def test_torchrun_two_ranks_match_single_process(tmp_path, corpus):
     single = tmp_path / "single"
     run_train(small_run(corpus, single, "max_steps=6", "save_every=6"))
-    ddp = tmp_path / "ddp"
+    ranks = tmp_path / "ranks"
     logs = tmp_path / "logs"
     proc = run_train(
-        ([f"--log-dir={logs}", "--redirects=3"], small_run(corpus, ddp, "max_steps=6", "save_every=6")),
+        ([f"--log-dir={logs}", "--redirects=3"], small_run(corpus, ranks, "max_steps=6", "save_every=6")),
         torchrun_procs=2,
     )
-    a, b = metrics(single), metrics(ddp)
+    a, b = metrics(single), metrics(ranks)
     assert [r["step"] for r in b] == list(range(1, 7))
     for x, y in zip(a, b, strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4)
@@ -64,6 +64,34 @@ def test_torchrun_two_ranks_match_single_process(tmp_path, corpus):
     rank_logs = {p.parent.name: p.read_text() for p in logs.rglob("std*.log") if p.stat().st_size}
     assert any(name == "0" for name in rank_logs), proc.stdout
     assert not [name for name in rank_logs if name != "0"], rank_logs  # only rank 0 prints
+
+
+def test_a_validation_split_too_small_for_the_ranks_is_refused_before_training(tmp_path, corpus):
+    """Each rank evaluates buffers of its own: a held-out split of one 1,024-token buffer cannot serve two
+    ranks, which must be said before the first step rather than at the first evaluation."""
+    from configs.data_schema import DataConfig
+    from data import PackedLoader, prepare
+
+    geometry = ["data.tokens_per_micro_batch=1024", "data.max_seqlen=256", "total_batch_tokens=2048"]
+    source, cache = corpus  # small_run's data, in this geometry
+    cfg = DataConfig(
+        source=str(source),
+        cache_dir=str(cache),
+        vocab_size=320,
+        tokens_per_micro_batch=1024,
+        max_seqlen=256,
+        max_num_docs=16,
+    )
+    val = list(PackedLoader(prepare(cfg), cfg, split="val", infinite=False))
+    assert len(val) == 1  # the whole split in one buffer: what makes this configuration wrong for 2 ranks
+    run_dir = tmp_path / "run"
+    proc = run_train(([], small_run(corpus, run_dir, *geometry)), torchrun_procs=2, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    said = "the validation split packs into 1 buffer(s) of data.tokens_per_micro_batch=1024"
+    assert said in out, out[-3000:]
+    assert "fewer than the 2 ranks" in out and "raise data.val_fraction" in out
+    assert "step 1" not in out and not (run_dir / "metrics.jsonl").exists()
 
 
 def test_wandb_offline_run_is_written_for_later_sync(tmp_path, corpus):

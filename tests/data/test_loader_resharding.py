@@ -281,3 +281,17 @@ def test_state_between_rounds_of_the_new_world_size_is_refused(prepared, stream)
     with pytest.raises(DataError, match="world_size"):
         two.load_state_dict(state)
     two.close()
+
+
+def test_pass_buffers_counts_the_buffers_one_pass_yields(prepared):
+    """Against iterating the pass to its end on one rank, and on 3 ranks (each taking every third buffer)."""
+    cfg, data = prepared
+    finite = dict(split="val", seed=SEED, infinite=False)
+    whole = list(PackedLoader(data, cfg, **finite))
+    assert len(whole) > 3
+    on_ranks = [list(PackedLoader(data, cfg, rank=r, world_size=3, **finite)) for r in range(3)]
+    assert sum(map(len, on_ranks)) == len(whole)
+    counter = PackedLoader(data, cfg, world_size=3, **finite)
+    assert counter.pass_buffers(at_most=10**6) == len(whole)
+    assert counter.pass_buffers(at_most=2) == 2  # counting stops there
+    assert len(list(counter)) == len(on_ranks[0])  # counting left the loader's own stream alone
