@@ -1,8 +1,9 @@
-"""train.py under torchrun on two GPUs, over NCCL: the paths that gloo on the CPU cannot show. Each
-`parallel` mode, compiled, trains what one GPU trains; SIGTERM on one rank stops both after the same step
-and the resumed run is the uninterrupted one bit for bit; a second launch on a run folder in use is
-refused; a run killed (SIGKILL of every rank) on two GPUs resumes on two bit for bit, and on one and then
-on two again within bf16 rounding of the uninterrupted run. Skipped without two CUDA devices.
+"""train.py under torchrun on two and four GPUs, over NCCL: the paths that gloo on the CPU cannot show. Each
+`parallel` mode, compiled, trains what one GPU trains; SIGTERM on one rank stops every rank after the same
+step and the resumed run is the uninterrupted one bit for bit; a second launch on a run folder in use is
+refused; a run killed (SIGKILL of every rank) resumes on as many GPUs bit for bit, and on another number of
+GPUs within bf16 rounding of the uninterrupted run: 2 -> 1 -> 2 and 4 -> 2 -> 4. Each test is skipped where
+the GPUs it needs are missing.
 
 The model is small_run's, a little wider for the GPU kernels (head_dim 64), with a constant learning rate so
 that a run cut by max_steps takes the uninterrupted run's steps."""
@@ -32,6 +33,11 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 
+
+def needs(gpus: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < gpus, reason=f"needs {gpus} CUDA devices")
+
+
 STEPS = 12
 BATCH = 4096
 TIMEOUT = 600
@@ -47,6 +53,7 @@ def gpu_run(corpus, run_dir: Path, mode: str = "ddp", *extra) -> list[str]:
         "data.tokens_per_micro_batch=1024",
         "data.max_seqlen=256",
         "data.max_num_docs=32",
+        "data.val_fraction=0.15",  # validation buffers for four ranks: each evaluates its own share
         f"total_batch_tokens={BATCH}",
         f"max_steps={STEPS}",
         "save_every=4",
@@ -70,7 +77,7 @@ def train(corpus, run_dir: Path, procs: int, mode: str = "ddp", *extra):
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
-    """Uninterrupted runs, made once: one GPU in ddp, two GPUs in each mode."""
+    """Uninterrupted runs, made once, by (GPUs, mode)."""
     root, made = tmp_path_factory.mktemp("gpu_runs"), {}
 
     def get(procs: int, mode: str = "ddp") -> Path:
@@ -95,30 +102,32 @@ def assert_follows(got_dir: Path, want_dir: Path) -> None:
     assert want[-1]["loss"] < 0.8 * want[0]["loss"]  # it learns: the comparison says something
 
 
+@pytest.mark.parametrize("gpus", [2, pytest.param(4, marks=needs(4))])
 @pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
-def test_two_gpus_in_each_mode_follow_one_gpu(runs, mode):
-    assert_follows(runs(2, mode), runs(1))
+def test_several_gpus_in_each_mode_follow_one_gpu(runs, mode, gpus):
+    assert_follows(runs(gpus, mode), runs(1))
 
 
-def test_sigterm_on_one_rank_stops_both_and_the_resume_is_bitwise(runs, tmp_path, corpus):
-    reference = runs(2)
+@pytest.mark.parametrize("gpus", [2, pytest.param(4, marks=needs(4))])
+def test_sigterm_on_the_last_rank_stops_every_rank_and_the_resume_is_bitwise(runs, tmp_path, corpus, gpus):
+    reference = runs(gpus)
     run_dir = tmp_path / "run"
     log = tmp_path / "first.log"
     args = gpu_run(corpus, run_dir)
-    first = start_torchrun(2, args, log)
+    first = start_torchrun(gpus, args, log)
     try:
         wait_for(lambda: logged_steps(run_dir) >= 5, first, "step 5", timeout=TIMEOUT)
         ranks = rank_pids(first)
         for pid in ranks.values():
-            os.kill(pid, signal.SIGSTOP)  # hold both ranks, the lock held, while a second launch tries
+            os.kill(pid, signal.SIGSTOP)  # hold every rank, the lock held, while a second launch tries
         try:
-            second = run_train(([], args), torchrun_procs=2, check=False, timeout=TIMEOUT)
+            second = run_train(([], args), torchrun_procs=gpus, check=False, timeout=TIMEOUT)
         finally:
             for pid in ranks.values():
                 os.kill(pid, signal.SIGCONT)
         assert second.returncode != 0
         assert "is in use by another run: pid" in second.stdout + second.stderr
-        os.kill(ranks[1], signal.SIGTERM)
+        os.kill(ranks[gpus - 1], signal.SIGTERM)
         assert first.wait(timeout=TIMEOUT) == 0, log.read_text()[-3000:]
     finally:
         kill_everything(first)
@@ -126,14 +135,14 @@ def test_sigterm_on_one_rank_stops_both_and_the_resume_is_bitwise(runs, tmp_path
     assert stopped < STEPS, "the run finished before the signal reached it"
     assert f"stopped by a signal on another rank after step {stopped}: checkpoint" in log.read_text()
     assert f"step_{stopped:06d}" in steps_saved(run_dir)
-    proc = train(corpus, run_dir, 2)
-    assert resumed_line(proc, run_dir, stopped, 2, "ddp"), proc.stdout
+    proc = train(corpus, run_dir, gpus)
+    assert resumed_line(proc, run_dir, stopped, gpus, "ddp"), proc.stdout
     assert_same_run(run_dir, reference, STEPS)
 
 
-def killed_after_step_6(corpus, run_dir: Path, log: Path) -> None:
-    """Two GPUs, all processes SIGKILLed once step 6 is logged: the newest checkpoint is step 4's."""
-    proc = start_torchrun(2, gpu_run(corpus, run_dir), log)
+def killed_after_step_6(corpus, run_dir: Path, log: Path, gpus: int = 2, mode: str = "ddp") -> None:
+    """All processes SIGKILLed once step 6 is logged: the newest checkpoint is step 4's."""
+    proc = start_torchrun(gpus, gpu_run(corpus, run_dir, mode), log)
     try:
         wait_for(lambda: logged_steps(run_dir) >= 6, proc, "step 6", timeout=TIMEOUT)
     finally:
@@ -158,4 +167,17 @@ def test_killed_on_two_gpus_resumes_on_one_then_on_two(runs, tmp_path, corpus):
     assert resumed_line(one, run_dir, 4, 2, "ddp"), one.stdout
     two = train(corpus, run_dir, 2, "fsdp")
     assert resumed_line(two, run_dir, 8, 1, "ddp"), two.stdout
+    assert_follows(run_dir, reference)
+
+
+@needs(4)
+def test_killed_on_four_gpus_resumes_on_two_then_on_four(runs, tmp_path, corpus):
+    """Each leg in another mode, so that DCP reshards the weights and the optimisers' states every time."""
+    reference = runs(4)
+    run_dir = tmp_path / "run"
+    killed_after_step_6(corpus, run_dir, tmp_path / "killed.log", gpus=4, mode="fsdp")
+    two = run_train(([], gpu_run(corpus, run_dir, "zero", "max_steps=8")), torchrun_procs=2, timeout=TIMEOUT)
+    assert resumed_line(two, run_dir, 4, 4, "fsdp"), two.stdout
+    four = train(corpus, run_dir, 4, "ddp")
+    assert resumed_line(four, run_dir, 8, 2, "zero"), four.stdout
     assert_follows(run_dir, reference)
