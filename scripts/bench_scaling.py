@@ -1,7 +1,7 @@
 """The scaling table: scripts/bench_train.py for each `parallel` mode on each number of GPUs of one node,
 then tokens/s per GPU against one GPU, memory per rank and exposed communication, as a Markdown table.
 
-    python scripts/bench_scaling.py --gpus 1 2 4 8 --modes ddp zero fsdp --out benchmarks/scaling_h200 -- \
+    python scripts/bench_scaling.py --gpus 1 2 4 8 --modes ddp zero fsdp --out benchmarks/scaling_h200_x8 -- \
         data.source='corpus/*.parquet' data.vocab_size=32768 data.tokens_per_micro_batch=65536 \
         data.max_seqlen=2048 data.max_num_docs=384 total_batch_tokens=524288 +models=[d12,d20] \
         +backends=[triton] +warmup=2 +steps=4 +profile=true
