@@ -390,6 +390,9 @@ def rank_main(rank: int, root, mode: str) -> None:
         "real": counted.with_prompts,
     }
     (root / f"rank{rank}.json").write_text(json.dumps(out))
+    # Both ranks done with every collective (FSDP2's too) before either tears gloo down: a teardown racing
+    # the other rank's last collective aborted a rank once ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -172,6 +172,7 @@ def generate_on_rank(rank: int, root) -> None:
     agree = partial(from_rank0, info=info)
     tokens = generate_tokens(RankDependent(rank), [5], 6, temperature=0, stop_id=8, cache=False, agree=agree)
     (root / f"rank{rank}.json").write_text(json.dumps(list(tokens)))
+    dist.barrier()  # as in test_core.py: no teardown while the other rank's last collective runs
     dist.destroy_process_group()
 
 
