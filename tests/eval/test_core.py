@@ -3,6 +3,7 @@ spans, left-truncation, packed scoring against a per-document loop, bundle error
 process."""
 
 import json
+import os
 import random
 import re
 
@@ -390,10 +391,11 @@ def rank_main(rank: int, root, mode: str) -> None:
         "real": counted.with_prompts,
     }
     (root / f"rank{rank}.json").write_text(json.dumps(out))
-    # Both ranks done with every collective (FSDP2's too) before either tears gloo down: a teardown racing
-    # the other rank's last collective aborted a rank once ("terminate called without an active exception").
+    # Results written, both ranks leave without tearing gloo down: on a loaded 2-core machine torch's gloo
+    # teardown after FSDP2's collectives has aborted a rank at exit ("terminate called without an active
+    # exception"), in full suite runs only, a barrier before it or not. The test is about the results.
     dist.barrier()
-    dist.destroy_process_group()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("mode", ["plain", "fsdp"])
