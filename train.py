@@ -58,7 +58,14 @@ from run.dist import (
     wait_for_rank0,
 )
 from run.lock import RunLocked
-from run.parallel import Parallel, load_model_state, model_state, parallelize
+from run.parallel import (
+    Parallel,
+    load_model_state,
+    model_state,
+    needs_group_of_one,
+    parallelize,
+    shards_optimizers,
+)
 from run.preflight import check_config, find_resume, take_lock
 from run.stop import GracefulStop
 
@@ -186,7 +193,7 @@ def set_up(cfg, info: DistInfo, resume: Loaded | None) -> Training:
     # Evaluation compiles too: eager FlexAttention would materialise the [T, T] scores.
     parallel = parallelize(model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward)
     # After sharding: they hold the sharded parameters.
-    optimizers = build_optimizers(model, cfg.optim, shard=cfg.parallel == "zero" and info.world_size > 1)
+    optimizers = build_optimizers(model, cfg.optim, shard=shards_optimizers(cfg.parallel, info))
     step, tokens_seen, wandb_id = 0, 0, None
     if resume is not None:
         step, tokens_seen, wandb_id = restore(resume, model, optimizers, loader, data, info)
@@ -381,7 +388,9 @@ def main(cfg) -> None:
     warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     info, lock = None, None
     try:
-        info = init_distributed(cfg.device, group_of_one=cfg.parallel == "fsdp", timeout_s=cfg.dist_timeout_s)
+        info = init_distributed(
+            cfg.device, group_of_one=needs_group_of_one(cfg.parallel), timeout_s=cfg.dist_timeout_s
+        )
         with GracefulStop(info) as stop:
             check_config(cfg, info)
             configure_determinism(cfg.deterministic)  # before any CUDA product: it sets cuBLAS's workspace

@@ -84,8 +84,8 @@ class PackedLoader:
     def pass_buffers(self, at_most: int) -> int:
         """How many buffers one pass of this finite split packs into over all ranks, counted up to `at_most`
         (planning only, no tokens read)."""
-        packer = self.packer
-        packer = Packer(packer.lengths, self.T, self.S, self.N, packer.window, packer.order_of, False)
+        mine = self.packer
+        packer = Packer(mine.lengths, self.T, self.S, self.N, mine.window, mine.order_of, infinite=False)
         count = 0
         while count < at_most and packer.next_plan() is not None:
             count += 1

@@ -10,7 +10,7 @@ out of checkpoints by parameter name, whatever the mode and the number of ranks.
   (model/optim.py), so each rank keeps the optimiser states of its own whole parameters (about 1/N of them,
   balanced by size), steps those, and broadcasts them to the other ranks. Checkpoints hold the same
   optimiser state by parameter name as `ddp`'s, each rank writing its parameters' part. With one rank there
-  is nothing to shard: the optimisers are the plain ones (train.py), and `zero` is `ddp`.
+  is nothing to shard: the optimisers are the plain ones (`shards_optimizers`), and `zero` is `ddp`.
 - `fsdp`: FSDP2 (`fully_shard`) on each block, then on the root (embedding and head): every parameter, its
   gradient and its optimiser state are sharded over the ranks along their first dimension; a block's
   weights are all-gathered for its forward (and, with `reshard_after_forward`, again for its backward), its
@@ -46,6 +46,16 @@ def check_mode(mode: str) -> None:
         raise ConfigError(f"parallel={mode!r} must be one of {', '.join(PARALLEL_MODES)}")
 
 
+def needs_group_of_one(mode: str) -> bool:
+    """Whether one process needs a process group of its own: FSDP2 does; `zero` alone is the plain run."""
+    return mode == "fsdp"
+
+
+def shards_optimizers(mode: str, info: DistInfo) -> bool:
+    """ZeroRedundancyOptimizers or not: `zero` on several ranks (one rank has nothing to shard)."""
+    return mode == "zero" and info.world_size > 1
+
+
 def compiled(fn):
     """One graph, never recompiled: every batch has the same shapes (see data/loader.py)."""
     return torch.compile(fn, fullgraph=True, dynamic=False)
@@ -64,7 +74,7 @@ def compile_blocks(blocks: nn.ModuleList) -> None:
 
     def graph(grad: bool, window: int):
         if (grad, window) not in graphs:
-            name = f"block_{'train' if grad else 'eval'}_window_{window}".replace("-", "full")
+            name = f"block_{'train' if grad else 'eval'}_window_{window if window >= 0 else 'full'}"
             code = _block_forward.__code__.replace(co_name=name, co_qualname=name)
             graphs[grad, window] = compiled(types.FunctionType(code, _block_forward.__globals__, name))
         return graphs[grad, window]

@@ -60,7 +60,7 @@ from model.gpt import GPT  # noqa: E402
 from model.optim import build_optimizers  # noqa: E402
 from run.determinism import configure_determinism  # noqa: E402
 from run.dist import gather_objects, init_distributed, shutdown, wait_for_rank0  # noqa: E402
-from run.parallel import parallelize  # noqa: E402
+from run.parallel import needs_group_of_one, parallelize, shards_optimizers  # noqa: E402
 from run.preflight import check_config  # noqa: E402
 from train import peak_memory_gb, train_step  # noqa: E402
 
@@ -83,7 +83,7 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, data.vocab_size, backend, cfg.data.max_seqlen).to(device)
     parallel = parallelize(model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward)
-    optimizers = build_optimizers(model, cfg.optim, shard=cfg.parallel == "zero" and info.world_size > 1)
+    optimizers = build_optimizers(model, cfg.optim, shard=shards_optimizers(cfg.parallel, info))
     loader = PackedLoader(
         data, cfg.data, "train", rank=info.rank, world_size=info.world_size, seed=cfg.seed, device=device
     )
@@ -223,7 +223,9 @@ def release_memory() -> None:
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg) -> None:
     configure_determinism(cfg.deterministic)
-    info = init_distributed(cfg.device, group_of_one=cfg.parallel == "fsdp", timeout_s=cfg.dist_timeout_s)
+    info = init_distributed(
+        cfg.device, group_of_one=needs_group_of_one(cfg.parallel), timeout_s=cfg.dist_timeout_s
+    )
     try:
         bench(cfg, info)
     finally:

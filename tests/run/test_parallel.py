@@ -198,6 +198,13 @@ def test_two_ranks_match_the_single_process_run(runs, mode):
         assert set(chunks.values()) == {1}, chunks  # every rank holds it whole; written once
 
 
+def test_zero_in_one_process_is_the_plain_run(runs):
+    """One rank has nothing to shard: parallel=zero (the default) trains ddp's run bit for bit."""
+    zero, plain = runs.get(1, "zero"), runs.get(1, "ddp")
+    assert_same_run(zero, plain, STEPS)
+    assert_checkpoint_layout(checkpoint(zero, STEPS), 1, "zero")
+
+
 def test_four_fsdp_ranks_match_the_single_process_run(runs):
     """total_batch_tokens=1024: one micro-batch per rank and step on 4 ranks, 4 in one process."""
     single, ranks = runs.get(1, "ddp", STEPS, 1024), runs.get(4, "fsdp", STEPS, 1024)
