@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from configs.schema import ConfigError, register_configs
 from data import DataError, PackedLoader, Prepared, prepare
-from eval.core import evaluate_core, load_for_run
+from eval.core import CORE_TASKS, evaluate_core, load_for_run, missing_core_tasks
 from eval.loss import evaluate, token_bytes
 from eval.metrics import MetricsLogError, Progress, RunLogger, attention_flops, peak_flops
 from eval.sample import generate
@@ -314,9 +314,7 @@ def validate(run: Training, progress: Progress) -> dict:
     cfg, info = run.cfg, run.info
     val = make_loader(cfg, info, run.data, "val")
     with run.autocast:
-        result = evaluate(
-            run.parallel.token_losses, val, run.byte_lengths, max(1, cfg.eval_tokens // info.world_size), info
-        )
+        result = evaluate(run.parallel.token_losses, val, run.byte_lengths, cfg.eval_tokens, info)
     val.close()
     if info.is_main:
         progress.write(f"step {run.step}: val loss {result['val_loss']:.4f}, val bpb {result['val_bpb']:.4f}")
@@ -329,7 +327,9 @@ def core(run: Training, tasks: list, progress: Progress) -> dict:
     with run.autocast:
         result = evaluate_core(run.model, run.data.tokenizer, tasks, run.cfg.core.batch_tokens, run.info)
     if run.info.is_main:
-        progress.write(f"step {run.step}: CORE {result.core:.4f}")
+        missing = missing_core_tasks(result.accuracy)
+        without = f" (without {len(missing)} of its {len(CORE_TASKS)} tasks)" if missing else ""
+        progress.write(f"step {run.step}: CORE {result.core:.4f}{without}")
     return result.metrics()
 
 

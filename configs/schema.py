@@ -109,7 +109,9 @@ class TrainConfig:
     # on a stop signal are written before the run moves on.
     async_save: bool = False
     eval_every: int = 100
-    eval_tokens: int = 32768  # validation tokens per evaluation
+    # Buffer tokens per evaluation, over all ranks: the held-out pass's first buffers, whole, so the same
+    # ones for any number of ranks.
+    eval_tokens: int = 32768
     core_every: int = 0  # steps between CORE evaluations (core.*) and at the last step; 0: never
     sample_every: int = 100
     sample_prompt: str = "def "

@@ -49,6 +49,32 @@ ITEM_FIELDS = {
     "language_modeling": {"context": str, "continuation": str},
 }
 SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234
+# CORE's 22 tasks: DCLM's low-variance set, the icl_tasks of the bundle's core.yaml. A bundle lacking some
+# gives the mean over the rest, which does not compare with published CORE scores.
+CORE_TASKS = (
+    "hellaswag_zeroshot",
+    "jeopardy",
+    "bigbench_qa_wikidata",
+    "arc_easy",
+    "arc_challenge",
+    "copa",
+    "commonsense_qa",
+    "piqa",
+    "openbook_qa",
+    "lambada_openai",
+    "hellaswag",
+    "winograd",
+    "winogrande",
+    "bigbench_dyck_languages",
+    "agi_eval_lsat_ar",
+    "bigbench_cs_algorithms",
+    "bigbench_operators",
+    "bigbench_repeat_copy_logic",
+    "squad",
+    "coqa",
+    "boolq",
+    "bigbench_language_identification",
+)
 SEQ_MULTIPLE = 64  # buffer sizes the attention kernel takes (data.SEQ_MULTIPLE)
 
 
@@ -84,6 +110,11 @@ class CoreResult:
     def metrics(self) -> dict:
         """The keys a run logs: `core` and each task's centred score as `core/<label>`."""
         return {"core": self.core, **{f"core/{label}": v for label, v in self.centered.items()}}
+
+
+def missing_core_tasks(labels) -> list[str]:
+    """CORE's tasks that are not among `labels`."""
+    return [t for t in CORE_TASKS if t not in set(labels)]
 
 
 def check_config(cfg) -> None:

@@ -34,7 +34,7 @@ from configs.data_schema import DataConfig  # noqa: E402
 from configs.schema import ConfigError, CoreConfig  # noqa: E402
 from data import DataError, PackedLoader, Prepared, prepare  # noqa: E402
 from data import tokenizer as tok  # noqa: E402
-from eval.core import evaluate_core, load_bundle  # noqa: E402
+from eval.core import CORE_TASKS, evaluate_core, load_bundle, missing_core_tasks  # noqa: E402
 from eval.loss import evaluate, token_bytes  # noqa: E402
 from model.export import ExportInvalid, load_model  # noqa: E402
 from run.checkpoint import CheckpointInvalid  # noqa: E402
@@ -94,9 +94,9 @@ def bits_per_byte(model, enc, meta: dict, args, data_overrides: list[str], info,
         device=info.device,
         infinite=False,
     )
-    per_rank = max(1, args.tokens // info.world_size) if args.tokens else sys.maxsize
     with autocast:
-        result = evaluate(model.token_losses, loader, token_bytes(enc, data.vocab_size), per_rank, info)
+        tokens = args.tokens or sys.maxsize
+        result = evaluate(model.token_losses, loader, token_bytes(enc, data.vocab_size), tokens, info)
     loader.close()
     return {
         "split": args.split,
@@ -115,6 +115,11 @@ def report(scores: dict) -> str:
         for label, acc in core["accuracy"].items():
             lines.append(f"{label:<{width}}  {acc:>8.4f}  {core['centered'][label]:>8.4f}")
         lines.append(f"{'CORE':<{width}}  {'':>8}  {core['core']:>8.4f}")
+        if core["missing_tasks"]:
+            lines.append(
+                f"the bundle lacks {len(core['missing_tasks'])} of CORE's {len(CORE_TASKS)} tasks "
+                f"({', '.join(core['missing_tasks'])}): this mean does not compare with full CORE scores"
+            )
     if "bpb" in scores:
         b = scores["bpb"]
         lines.append(f"{b['split']} split of {b['data']}: loss {b['loss']:.6f}, bits per byte {b['bpb']:.6f}")
@@ -162,7 +167,12 @@ def main() -> None:
         if tasks is not None:
             with autocast:
                 result = evaluate_core(model, enc, tasks, core_cfg.batch_tokens, info)
-            scores["core"] = {"core": result.core, "accuracy": result.accuracy, "centered": result.centered}
+            scores["core"] = {
+                "core": result.core,
+                "accuracy": result.accuracy,
+                "centered": result.centered,
+                "missing_tasks": missing_core_tasks(result.accuracy),
+            }
         if "bpb" in evals:
             scores["bpb"] = bits_per_byte(model, enc, meta, args, data_overrides, info, autocast)
     except (ConfigError, DataError, ExportInvalid, CheckpointInvalid) as err:

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from configs.schema import CoreConfig, ModelConfig
 from eval.core import (
     BUNDLE_URL,
+    CORE_TASKS,
     BundleError,
     Prompt,
     Task,
@@ -24,6 +25,7 @@ from eval.core import (
     evaluate_core,
     fewshot_examples,
     load_bundle,
+    missing_core_tasks,
     render,
     score,
 )
@@ -411,3 +413,18 @@ def test_two_ranks_give_the_result_of_one_process(tmp_path, mode):
     # (FSDP's are collectives).
     assert ranks[0]["real"] != ranks[1]["real"]
     assert ranks[0]["calls"] == ranks[1]["calls"] == max(r["real"] for r in ranks)
+
+
+def test_missing_core_tasks_names_the_dclm_tasks_a_bundle_lacks():
+    # The 22 tasks of CORE as the DCLM paper (arXiv 2406.11794, appendix) lists its low-variance set.
+    dclm = {
+        "agi_eval_lsat_ar", "arc_challenge", "arc_easy", "bigbench_cs_algorithms", "bigbench_dyck_languages",
+        "bigbench_language_identification", "bigbench_operators", "bigbench_qa_wikidata",
+        "bigbench_repeat_copy_logic", "boolq", "commonsense_qa", "copa", "coqa", "hellaswag",
+        "hellaswag_zeroshot", "jeopardy", "lambada_openai", "openbook_qa", "piqa", "squad", "winograd",
+        "winogrande",
+    }  # fmt: skip
+    assert missing_core_tasks([]) == list(CORE_TASKS) and set(CORE_TASKS) == dclm and len(CORE_TASKS) == 22
+    have = sorted(dclm - {"hellaswag", "hellaswag_zeroshot", "squad", "coqa"}) + ["a_task_of_my_own"]
+    assert missing_core_tasks(have) == ["hellaswag_zeroshot", "hellaswag", "squad", "coqa"]
+    assert missing_core_tasks(sorted(dclm)) == []

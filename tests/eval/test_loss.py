@@ -1,6 +1,6 @@
 """eval/loss.py: validation loss and bits per byte against a float64 sum over the same buffers, in one
 process and on two FSDP2 ranks whose held-out passes end one buffer apart (each FSDP forward is a collective,
-so both ranks must run as many)."""
+so both ranks must run as many), which count the buffers one process counts."""
 
 import json
 import math
@@ -83,28 +83,47 @@ class Counting:
         return self.fn(*args)
 
 
-def rank_main(rank: int, root, buffers: list[int]) -> None:
+def rank_main(rank: int, root, buffers: list[int], max_tokens: int) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{root / 'store'}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
     )
     info = DistInfo(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"))
     parallel = parallelize(tiny_gpt(max_seqlen=T), "fsdp", info, compile=False, reshard_after_forward=True)
     counted = Counting(parallel.token_losses)
-    mine = [batch(10 * rank + i) for i in range(buffers[rank])]
-    result = evaluate(counted.token_losses, mine, BYTES, 10 * T, info)
-    (root / f"rank{rank}.json").write_text(json.dumps({**result, "calls": counted.calls}))
+    # This rank's share of the global pass: buffers rank, rank + 2, ... (data/loader.py).
+    mine = [batch(rank + 2 * i) for i in range(buffers[rank])]
+    try:
+        out = evaluate(counted.token_losses, mine, BYTES, max_tokens, info)
+    except ValueError as err:
+        out = {"error": str(err)}
+    (root / f"rank{rank}.json").write_text(json.dumps({**out, "calls": counted.calls}))
     dist.barrier()
     os._exit(0)  # without tearing gloo down, as in test_core.py's rank_main
 
 
-def test_fsdp_ranks_whose_passes_end_apart_stop_together(tmp_path):
-    """Rank 0's held-out pass has three buffers, rank 1's two: both evaluate two, and the result is the
-    float64 sum over those four buffers."""
-    buffers = [3, 2]
-    mp.start_processes(rank_main, args=(tmp_path, buffers), nprocs=2, start_method="spawn")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    want = reference(tiny_gpt(max_seqlen=T), [batch(10 * r + i) for r in range(2) for i in range(2)])
+def two_ranks(root, buffers: list[int], max_tokens: int) -> list[dict]:
+    mp.start_processes(rank_main, args=(root, buffers, max_tokens), nprocs=2, start_method="spawn")
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("limit", [3, 10])
+def test_fsdp_ranks_count_the_buffers_of_one_process(tmp_path, limit):
+    """A held-out pass of five buffers over two FSDP2 ranks (three on rank 0, two on rank 1): the first
+    `limit` buffers of the pass are counted, as one process counts them, which is the float64 sum over
+    them. Both ranks run as many forwards (each is a collective): rank 1 repeats its last buffer, uncounted,
+    where its pass has ended."""
+    ranks = two_ranks(tmp_path, [3, 2], limit * T)
+    one = evaluate(tiny_gpt(max_seqlen=T).token_losses, [batch(s) for s in range(5)], BYTES, limit * T, CPU)
+    want = reference(tiny_gpt(max_seqlen=T), [batch(s) for s in range(min(limit, 5))])
     for got in ranks:
-        assert got["calls"] == 2
-        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-12)
-        assert got["val_bpb"] == pytest.approx(want["val_bpb"], rel=1e-12)
+        assert got["calls"] == min(math.ceil(limit / 2), 3)
+        for key in ("val_loss", "val_bpb"):
+            assert got[key] == pytest.approx(want[key], rel=1e-12)
+            assert got[key] == pytest.approx(one[key], rel=1e-12)
+
+
+def test_a_pass_of_fewer_buffers_than_ranks_is_refused_on_every_rank(tmp_path):
+    ranks = two_ranks(tmp_path, [1, 0], 10 * T)
+    for got in ranks:
+        assert "fewer buffers than the 2 ranks" in got["error"]
+        assert got["calls"] == 0

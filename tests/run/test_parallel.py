@@ -65,8 +65,6 @@ def overrides(corpus, run_dir: Path, mode: str, steps: int, batch: int, *extra) 
         # An evaluation and a sample where a split run's first half ends, as in the uninterrupted run.
         "eval_every=4",
         "sample_every=4",
-        # Whole buffers on every rank: each rank evaluates at least one buffer of its own, so with fewer
-        # eval_tokens than ranks * tokens_per_micro_batch more ranks would see more validation tokens.
         f"eval_tokens={batch}",
         f"total_batch_tokens={batch}",
         f"parallel={mode}",

@@ -73,6 +73,9 @@ def test_eval_script_gives_core_and_bits_per_byte(core_run, bundle, tmp_path):
         k: [f"{scores['core']['accuracy'][k]:.4f}", f"{scores['core']['centered'][k]:.4f}"] for k in LABELS
     }
     assert f"CORE {scores['core']['core']:.4f}" in " ".join(proc.stdout.split())
+    # The test bundle's tasks are none of CORE's: the mean is said not to be a CORE score.
+    assert len(scores["core"]["missing_tasks"]) == 22 and "hellaswag" in scores["core"]["missing_tasks"]
+    assert "the bundle lacks 22 of CORE's 22 tasks" in proc.stdout
 
 
 def eval_main(monkeypatch, *args) -> str:
