@@ -288,7 +288,11 @@ def main() -> None:
 
     result = {
         "env": environment(on_cpu),
-        "command": shlex.join(sys.argv),
+        # How the runs were made; where their files went (--out, --work) is no part of it.
+        "command": shlex.join(
+            ["scripts/bench_resize.py", "--gpus", str(n), "--then", *map(str, args.then)]
+            + ["--kill-after", str(args.kill_after), "--", *args.overrides]
+        ),
         "gpus": n,
         "kill_after": args.kill_after,
         "killed_at_step": killed_at,
