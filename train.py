@@ -191,7 +191,9 @@ def set_up(cfg, info: DistInfo, resume: Loaded | None) -> Training:
     loader = make_loader(cfg, info, data, "train")
     model = GPT(cfg.model, data.vocab_size, attention, cfg.data.max_seqlen).to(device)
     # Evaluation compiles too: eager FlexAttention would materialise the [T, T] scores.
-    parallel = parallelize(model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward)
+    parallel = parallelize(
+        model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward, cfg.ddp_bucket_mb
+    )
     # After sharding: they hold the sharded parameters.
     optimizers = build_optimizers(model, cfg.optim, shard=shards_optimizers(cfg.parallel, info))
     step, tokens_seen, wandb_id = 0, 0, None

@@ -129,6 +129,10 @@ class TrainConfig:
     # fsdp: free each block's gathered weights after its forward and gather them again for the backward
     # (less memory, one more all-gather per block).
     reshard_after_forward: bool = True
+    # ddp and zero: the size of DDP's gradient buckets in MB (torch's default, 25). Each bucket's all-reduce
+    # starts once its gradients are ready, under the rest of the backward; a bucket larger than the model's
+    # gradients makes one all-reduce after the backward, with nothing to hide it.
+    ddp_bucket_mb: float = 25.0
     # Under torchrun, a collective that waits this long for another rank fails the job: a hung rank (a
     # stuck GPU, a lost node) ends it rather than holding the allocation. Rank 0's data preparation and
     # checkpoint verification, which the other ranks wait for, are not bound by it (run/dist.py).

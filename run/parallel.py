@@ -104,8 +104,16 @@ class Parallel:
         return torch.compiler.set_stance("force_eager") if self.mode == "fsdp" else nullcontext()
 
 
-def parallelize(model: nn.Module, mode: str, info: DistInfo, compile: bool, reshard_after_forward: bool):
-    """Wrap `model` (on its device, the same weights on every rank) for `mode`."""
+def parallelize(
+    model: nn.Module,
+    mode: str,
+    info: DistInfo,
+    compile: bool,
+    reshard_after_forward: bool,
+    ddp_bucket_mb: float | None = None,
+):
+    """Wrap `model` (on its device, the same weights on every rank) for `mode`; `reshard_after_forward` and
+    `ddp_bucket_mb` as the config's keys of those names (None: DDP's default)."""
     check_mode(mode)
     wrap = compiled if compile else (lambda fn: fn)
     if mode in ("ddp", "zero"):
@@ -117,7 +125,9 @@ def parallelize(model: nn.Module, mode: str, info: DistInfo, compile: bool, resh
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         # The gradients are views into DDP's buckets rather than a second copy beside them: one fp32
         # gradient of the model less per rank, with the same arithmetic.
-        ddp = DistributedDataParallel(wrap(model), device_ids=device_ids, gradient_as_bucket_view=True)
+        ddp = DistributedDataParallel(
+            wrap(model), device_ids=device_ids, gradient_as_bucket_view=True, bucket_cap_mb=ddp_bucket_mb
+        )
         return Parallel(mode, model, ddp, wrap(model.token_losses), ddp)
     cuda = info.device.type == "cuda"
     policy = MixedPrecisionPolicy(

@@ -31,6 +31,8 @@ def check_config(cfg, info: DistInfo) -> None:
     """Every check the config allows before any data, model or checkpoint work."""
     check_data_config(cfg.data)
     check_parallel(cfg.parallel)
+    if not cfg.ddp_bucket_mb > 0:
+        raise ConfigError(f"ddp_bucket_mb={cfg.ddp_bucket_mb} must be positive")
     micro = cfg.data.tokens_per_micro_batch * info.world_size
     if cfg.total_batch_tokens <= 0 or cfg.total_batch_tokens % micro:
         raise ConfigError(

@@ -82,7 +82,9 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
     device = info.device
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, data.vocab_size, backend, cfg.data.max_seqlen).to(device)
-    parallel = parallelize(model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward)
+    parallel = parallelize(
+        model, cfg.parallel, info, cfg.compile, cfg.reshard_after_forward, cfg.ddp_bucket_mb
+    )
     optimizers = build_optimizers(model, cfg.optim, shard=shards_optimizers(cfg.parallel, info))
     loader = PackedLoader(
         data, cfg.data, "train", rank=info.rank, world_size=info.world_size, seed=cfg.seed, device=device
@@ -264,6 +266,7 @@ def bench(cfg, info) -> None:
         "deterministic": cfg.deterministic,
         "flash_attn_4": installed_version("flash-attn-4") if "fa4" in backends else None,
         "parallel": cfg.parallel,
+        "ddp_bucket_mb": cfg.ddp_bucket_mb,
         "world_size": info.world_size,
         "fp8": cfg.model.fp8,
         "fused": [key for key in ("fused_mlp", "fused_rope_norm", "fused_residual") if cfg.model[key]],

@@ -288,6 +288,7 @@ def test_full_disk_during_a_save_training_goes_on_and_resume_works(tmp_path, cor
         ("model.window_pattern=SXL", "model.window_pattern"),
         ("total_batch_tokens=300", "total_batch_tokens"),
         ("keep_last=0", "keep_last=0 must be at least 1"),
+        ("ddp_bucket_mb=0", "ddp_bucket_mb=0.0 must be positive"),
         ("wandb.mode=sometimes", "wandb.mode"),
         ("attention=magic", "attention"),
         ("attention=flex", "attention=flex needs a CUDA device"),

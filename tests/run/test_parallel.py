@@ -16,16 +16,19 @@ import os
 import shutil
 import signal
 import subprocess
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from configs.schema import ModelConfig
 from model.gpt import GPT
 from run.checkpoint import read_model_state, verify
-from run.dist import init_distributed, shutdown
+from run.dist import DistInfo, init_distributed, shutdown
 from run.parallel import parallelize
 from tests.train_helpers import (
     assert_same_run,
@@ -529,3 +532,42 @@ def test_compiled_fsdp_blocks_train_and_evaluate_without_recompiling():
     finally:
         torch._dynamo.reset()
         shutdown(info)
+
+
+# ---- ddp's buckets ---------------------------------------------------------------------------------------
+
+
+def bucket_rank(rank: int, root: Path) -> None:
+    """One rank of two: a backward through DDP with the default buckets and with one bucket for everything
+    (ddp_bucket_mb=1000); their bucket caps and gradients to root/rank<r>.pt."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root / 'store'}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    info = DistInfo(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"))
+    out = {}
+    for bucket_mb in (None, 1000.0):
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(depth=2, head_dim=16, aspect_ratio=16), 64, "reference", 32)
+        parallel = parallelize(
+            model, "ddp", info, compile=False, reshard_after_forward=True, ddp_bucket_mb=bucket_mb
+        )
+        ids = torch.randint(0, 64, (32,), generator=torch.Generator().manual_seed(rank))
+        cu = torch.tensor([0, 20, 32], dtype=torch.int32)
+        pos = torch.cat([torch.arange(20), torch.arange(12)])
+        parallel.forward(ids, pos, cu, 32, ids.roll(-1)).backward()
+        out[bucket_mb] = (parallel.ddp.bucket_bytes_cap, [p.grad.clone() for p in model.parameters()])
+    torch.save(out, root / f"rank{rank}.pt")
+    dist.barrier()
+    os._exit(0)  # without tearing gloo down, as tests/eval/test_core.py's rank_main
+
+
+def test_ddp_bucket_size_reaches_ddp_and_leaves_the_gradients_as_they_are(tmp_path):
+    """ddp_bucket_mb sets DDP's bucket cap (one bucket for the whole model at 1000 MB); the all-reduced
+    gradients hold the same bits with one bucket as with DDP's default ones, on every rank."""
+    mp.start_processes(bucket_rank, args=(tmp_path,), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for got in ranks:
+        (default_cap, default_grads), (one_cap, one_grads) = got[None], got[1000.0]
+        assert default_cap == 25 * 2**20 and one_cap == 1000 * 2**20
+        assert all(torch.equal(a, b) for a, b in zip(default_grads, one_grads, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0][None][1], ranks[1][None][1], strict=True))
