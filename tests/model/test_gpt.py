@@ -3,9 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
 
-from configs.schema import ConfigError, ModelConfig
+from configs.schema import ConfigError, ModelConfig, register_configs
 from model.gpt import GPT, GPTShape, layer_windows
+from tests.train_helpers import ROOT
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -141,6 +143,19 @@ def test_width_and_heads_follow_depth():
     with pytest.raises(ConfigError, match="window_pattern"):
         layer_windows("SX", 8, 4)
     assert layer_windows("SSL", 8, 4) == [8, 8, -1, -1]
+
+
+# nanochat's shapes: width = 64 * depth, in heads of 128.
+@pytest.mark.parametrize(
+    ("preset", "width", "heads"),
+    [("d12", 768, 6), ("d20", 1280, 10), ("d24", 1536, 12), ("d26", 1664, 13), ("d32", 2048, 16)],
+)
+def test_model_presets_compose_to_nanochats_shapes(preset, width, heads):
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("config", overrides=[f"model={preset}"])
+    shape = GPTShape.from_config(cfg.model, vocab_size=32768)
+    assert (shape.n_layer, shape.n_embd, shape.n_head) == (int(preset[1:]), width, heads)
 
 
 def test_initial_loss_is_near_uniform():
