@@ -5,12 +5,15 @@ torch.nn.attention.varlen.varlen_attn, and SDPA (flash and cuDNN backends) on a 
     python scripts/bench_attention.py            # table on stdout and in benchmarks/attention_<device>.json
     python scripts/bench_attention.py --tune     # our kernels only, under each candidate block config
     python scripts/bench_attention.py --profile  # CUDA time of each of our kernels
+    python scripts/bench_attention.py --window 512   # sliding windows: each query sees its 512 predecessors
 
 <device> is the GPU's model in lower case (h100, h200). `--tune` prints one JSON line per config and
-writes a file only with `--out`; `--profile` writes nothing.
+writes a file only with `--out`; `--profile` writes nothing. With `--window W` the file is
+attention_<device>_w<W>.json, and the methods without sliding windows (the SDPA ones) are left out.
 
 TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forward (half of the full
-4 L^2 D H), 2.5 times that for the backward and 3.5 times for forward + backward. Times are medians of
+4 L^2 D H), 2.5 times that for the backward and 3.5 times for forward + backward; under a window, 4 D H per
+(query, key) pair the window keeps. Times are medians of
 triton.testing.do_bench; backward alone is torch.autograd.grad over a retained graph. Our times include
 building the tile tables on every call; FlexAttention's block mask and SDPA's padded copies are built
 once outside the timed region (a model builds the mask once per batch for all its layers).
@@ -50,8 +53,16 @@ def document_lengths(mix: str, total: int = 65536, seed: int = 0) -> list[int]:
     return lengths
 
 
-def causal_flops(lengths: list[int], heads: int, head_dim: int) -> float:
-    return sum(2.0 * n * n * head_dim * heads for n in lengths)
+def window_pairs(n: int, window: int) -> int:
+    """(query, key) pairs of a causal document of n tokens where each query sees its `window` predecessors."""
+    full = min(n, window + 1)  # the first queries see all of theirs
+    return full * (full + 1) // 2 + (n - full) * (window + 1)
+
+
+def causal_flops(lengths: list[int], heads: int, head_dim: int, window: int = -1) -> float:
+    if window < 0:
+        return sum(2.0 * n * n * head_dim * heads for n in lengths)
+    return sum(4.0 * window_pairs(n, window) * head_dim * heads for n in lengths)
 
 
 WORK = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # in units of the forward's causal_flops
@@ -65,26 +76,28 @@ def make_batch(lengths, heads, head_dim, device="cuda", dtype=torch.bfloat16, se
     return q, k, v, cu
 
 
-# Each method maps (q, k, v, cu_seqlens, lengths) to (forward function of q, k, v, the tensors it takes).
+# Each method maps (q, k, v, cu_seqlens, lengths, window) to (forward function of q, k, v, the tensors it
+# takes); window -1 is unbounded causal attention, else each query sees its `window` predecessors.
 
 
-def ours(q, k, v, cu, lengths):
+def ours(q, k, v, cu, lengths, window=-1):
     from kernels.attention import flash_attn_varlen
 
     def fwd(q, k, v):
-        return flash_attn_varlen(q, k, v, cu, max(lengths), causal=True)
+        return flash_attn_varlen(q, k, v, cu, max(lengths), causal=True, window_size=(window, 0))
 
     return fwd, (q, k, v)
 
 
-def flex(q, k, v, cu, lengths):
+def flex(q, k, v, cu, lengths, window=-1):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     T = q.shape[0]
     doc = torch.searchsorted(cu[1:].contiguous(), torch.arange(T, device=q.device), right=True)
 
     def document_causal(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        visible = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        return visible & (q_idx - kv_idx <= window) if window >= 0 else visible
 
     mask = create_block_mask(document_causal, None, None, T, T, device=q.device)
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -95,17 +108,17 @@ def flex(q, k, v, cu, lengths):
     return fwd, tuple(x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
 
 
-def varlen_attn(q, k, v, cu, lengths):
+def varlen_attn(q, k, v, cu, lengths, window=-1):
     from torch.nn.attention.varlen import varlen_attn as attn
 
     def fwd(q, k, v):
-        return attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=(-1, 0))
+        return attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=(window, 0))
 
     return fwd, (q, k, v)
 
 
 def _sdpa(backend):
-    def method(q, k, v, cu, lengths):
+    def method(q, k, v, cu, lengths, window=-1):
         from torch.nn.attention import sdpa_kernel
 
         longest = max(lengths)
@@ -129,7 +142,7 @@ def _sdpa(backend):
 ROW = 2048  # nanochat's sequence length
 
 
-def sdpa_rows(q, k, v, cu, lengths):
+def sdpa_rows(q, k, v, cu, lengths, window=-1):
     """Causal SDPA over rows of ROW tokens of the packed buffer with no document mask, under torch's own
     backend choice: what nanochat and our `sdpa_packed` backend compute. It attends across documents, so
     it is a speed reference for the same buffer, not the same function; its TFLOP/s count the same
@@ -149,15 +162,16 @@ def _fa4(deterministic: bool):
     """FlashAttention-4 (flash_attn.cute), the state of the art on Hopper; deterministic=True is the mode
     comparable with our backward, which is deterministic."""
 
-    def method(q, k, v, cu, lengths):
+    def method(q, k, v, cu, lengths, window=-1):
         from flash_attn.cute import flash_attn_varlen_func
 
         longest = max(lengths)
+        window_size = (None, None) if window < 0 else (window, 0)
 
         def fwd(q, k, v):
             out, _ = flash_attn_varlen_func(
                 q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
-                causal=True, deterministic=deterministic,
+                causal=True, window_size=window_size, deterministic=deterministic,
             )  # fmt: skip
             return out
 
@@ -175,13 +189,17 @@ def fa4_installed() -> bool:
 
 
 METHODS = {"ours": ours, "flex": flex, "varlen_attn": varlen_attn, "sdpa_rows": sdpa_rows}
+# The methods that take a sliding window.
+WINDOWED = {"ours", "flex", "varlen_attn", "fa4", "fa4_deterministic"}
 
 
-def time_method(method, q, k, v, cu, lengths, parts=("fwd", "bwd", "fwd_bwd"), rep_ms=200) -> dict:
+def time_method(
+    method, q, k, v, cu, lengths, parts=("fwd", "bwd", "fwd_bwd"), rep_ms=200, window: int = -1
+) -> dict:
     """Median milliseconds of the forward, the backward and both, for the parts asked for."""
     from triton.testing import do_bench
 
-    fwd, inputs = method(q, k, v, cu, lengths)
+    fwd, inputs = method(q, k, v, cu, lengths, window)
     times = {}
     if "fwd" in parts:
         with torch.no_grad():
@@ -217,7 +235,7 @@ def environment() -> dict:
     }
 
 
-def benchmark(head_dims, mixes, heads, tokens) -> list[dict]:
+def benchmark(head_dims, mixes, heads, tokens, window: int = -1) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
     methods = dict(
@@ -225,12 +243,14 @@ def benchmark(head_dims, mixes, heads, tokens) -> list[dict]:
     )
     if fa4_installed():  # the anchor, where flash-attn-4 is installed
         methods.update(fa4=_fa4(False), fa4_deterministic=_fa4(True))
+    if window >= 0:
+        methods = {name: method for name, method in methods.items() if name in WINDOWED}
     rows = []
     for head_dim in head_dims:
         for mix in mixes:
             lengths = document_lengths(mix, tokens)
             q, k, v, cu = make_batch(lengths, heads, head_dim)
-            flops = causal_flops(lengths, heads, head_dim)
+            flops = causal_flops(lengths, heads, head_dim, window)
             for name, method in methods.items():
                 row = {
                     "mix": mix,
@@ -240,7 +260,7 @@ def benchmark(head_dims, mixes, heads, tokens) -> list[dict]:
                     "longest": max(lengths),
                 }
                 try:
-                    times = time_method(method, q, k, v, cu, lengths)
+                    times = time_method(method, q, k, v, cu, lengths, window=window)
                 except Exception as e:  # a baseline that does not run here is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 else:
@@ -367,6 +387,9 @@ def main():
     parser.add_argument("--tune", action="store_true", help="sweep our block configs instead")
     parser.add_argument("--profile", action="store_true", help="time each of our kernels instead")
     parser.add_argument(
+        "--window", type=int, default=-1, help="sliding window: each query sees this many predecessors"
+    )
+    parser.add_argument(
         "--out", type=Path, help="JSON path (default benchmarks/attention_<device>.json; --tune: none)"
     )
     args = parser.parse_args()
@@ -380,14 +403,15 @@ def main():
         out = args.out
     else:
         print(TABLE_HEAD)
-        rows = benchmark(args.head_dims, args.mixes, args.heads, args.tokens)
+        rows = benchmark(args.head_dims, args.mixes, args.heads, args.tokens, args.window)
         print("\n" + "\n".join([TABLE_HEAD, *map(format_row, rows)]))
         benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
-        out = args.out or benchmarks / f"attention_{device_slug(env['device'])}.json"
+        suffix = f"_w{args.window}" if args.window >= 0 else ""
+        out = args.out or benchmarks / f"attention_{device_slug(env['device'])}{suffix}.json"
     if out is None:
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {**env, "tokens": args.tokens, "heads": args.heads, "rows": rows}
+    record = {**env, "tokens": args.tokens, "heads": args.heads, "window": args.window, "rows": rows}
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
 
