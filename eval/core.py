@@ -114,7 +114,8 @@ class CoreResult:
 
 def missing_core_tasks(labels) -> list[str]:
     """CORE's tasks that are not among `labels`."""
-    return [t for t in CORE_TASKS if t not in set(labels)]
+    present = set(labels)
+    return [t for t in CORE_TASKS if t not in present]
 
 
 def check_config(cfg) -> None:

@@ -94,8 +94,8 @@ def bits_per_byte(model, enc, meta: dict, args, data_overrides: list[str], info,
         device=info.device,
         infinite=False,
     )
+    tokens = args.tokens or sys.maxsize  # 0: the whole split
     with autocast:
-        tokens = args.tokens or sys.maxsize
         result = evaluate(model.token_losses, loader, token_bytes(enc, data.vocab_size), tokens, info)
     loader.close()
     return {
