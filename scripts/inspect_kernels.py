@@ -65,9 +65,16 @@ GEMM_KERNELS = {
     "mlp_out": (gh.RESIDUAL, True),
     "joined": (gh.PLAIN, True),
 }
+# The FP8 products (e4m3 operands, a weight scale; both operands K-major), by the same epilogues.
+FP8_GEMM_KERNELS = {
+    "relu2_fp8": gh.RELU2,
+    "relu2_grad_fp8": gh.RELU2_GRAD,
+    "residual_fp8": gh.RESIDUAL,
+    "plain_fp8": gh.PLAIN,
+}
 # The products of Hopper alone, each by its inspector: gemm_hopper's epilogues and wgrad_hopper's.
-HOPPER_PRODUCTS = [*GEMM_KERNELS, "wgrad"]
-FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd", "Part"}
+HOPPER_PRODUCTS = [*GEMM_KERNELS, *FP8_GEMM_KERNELS, "wgrad"]
+FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd", "Part", "WScale"}
 INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots", "Counter"}
 BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 # Integer arguments that a launch on aligned tensors sees as multiples of 16 (and specialises on).
@@ -187,8 +194,8 @@ BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 def inner_loops(sass: str) -> list[dict]:
     """Counts per innermost loop (a backward branch, containing no other) that runs tensor-core products,
-    in code order: instructions, products (HGMMA), exponentials (MUFU.EX2), spill loads and stores
-    (LDL/STL), and CTA barriers (BAR.SYNC)."""
+    in code order: instructions, products (HGMMA; QGMMA for FP8 operands), exponentials (MUFU.EX2), spill
+    loads and stores (LDL/STL), and CTA barriers (BAR.SYNC)."""
     code, labels = [], {}
     for line in sass.splitlines():
         if label := LABEL.match(line.strip()):
@@ -208,7 +215,7 @@ def inner_loops(sass: str) -> list[dict]:
         ops = [op for op, _ in code[start : end + 1]]
         row = dict(
             instructions=len(ops),
-            products=sum(op.startswith("HGMMA") for op in ops),
+            products=sum(op.startswith(("HGMMA", "QGMMA")) for op in ops),
             exponentials=sum(op == "MUFU.EX2" for op in ops),
             spill_ops=sum(op.split(".")[0] in ("LDL", "STL") for op in ops),
             barriers=sum(op.startswith("BAR.SYNC") for op in ops),
@@ -264,32 +271,40 @@ def _report(kernel: str, blocks: block_sizes.Blocks, compiled, arch: int) -> dic
 
 
 def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
-    """As inspect_kernel, for kernels/fused/gemm_hopper.py's product with the epilogue `kernel` (bf16; the q/k
-    product at head dim 128)."""
+    """As inspect_kernel, for kernels/fused/gemm_hopper.py's product with the epilogue `kernel` (bf16, or FP8
+    operands for the *_fp8 ones; the q/k product at head dim 128)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    epilogue, b_kn = GEMM_KERNELS[kernel]
+    fp8 = kernel in FP8_GEMM_KERNELS
+    epilogue, b_kn = (FP8_GEMM_KERNELS[kernel], False) if fp8 else GEMM_KERNELS[kernel]
+    bk = gh.BK_FP8 if fp8 else gh.BK
 
     def descriptor(name):
-        b = [gh.BK, gh.BN] if b_kn else [gh.BN, gh.BK]
-        shape = {"a_desc": [gh.BM, gh.BK], "a2_desc": [gh.BM, gh.BK], "b_desc": b, "b2_desc": b}.get(
-            name, [gh.BM // 2, gh.BN]
-        )
-        return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
+        b = [bk, gh.BN] if b_kn else [gh.BN, bk]
+        shape = {"a_desc": [gh.BM, bk], "a2_desc": [gh.BM, bk], "b_desc": b, "b2_desc": b}.get(name)
+        if shape is None:  # the output, and the tile an epilogue reads: bf16
+            shape = [gh.BM // 2, gh.BN]
+            return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
+        dtype, name = (gl.float8e4nv, "fp8e4nv") if fp8 else (gl.bfloat16, "bf16")
+        return f"tensordesc<{name}{shape},{gl.NVMMASharedLayout.get_default_for(shape, dtype)!r}>"
 
     fn = gh._matmul_kernel
     # The sizes M, N, N2, K: multiples of 16 in the model.
     rope = epilogue == gh.ROPE_NORM
-    # The MLP's products scale their rows by the input's 1/rms, as the model runs them.
-    scale_rows = epilogue in (gh.RELU2, gh.RELU2_GRAD)
+    # The MLP's products scale their rows by the input's 1/rms, as the model runs them; the FP8 ones all
+    # scale their rows (the operand's row scales) and the whole by the weight's scale.
+    scale_rows = fp8 or epilogue in (gh.RELU2, gh.RELU2_GRAD)
     constants = dict(
         EPILOGUE=epilogue.value,
         HEAD_DIM=128 if rope else 0,
         SCALE_ROWS=scale_rows,
+        SCALE_W=fp8,
         B_KN=b_kn,
         STAGES=gh.STAGES,
     )
+    if not fp8:
+        constants |= dict(WScale=None)
     if not rope:
         constants |= dict(Cos=None, Sin=None)
     if not (rope or scale_rows):

@@ -62,9 +62,10 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 # Block choice, the one place it is made: 128 x 256 output tiles (two warpgroups of 64 rows; a [64, 256]
-# fp32 accumulator is 128 registers a thread), 64 columns of K per ring slot, 3 slots (48 KB each) plus
-# 64 KB for the two warpgroups' output tiles.
+# fp32 accumulator is 128 registers a thread), 64 columns of K per ring slot (128 of FP8 operands: the same
+# bytes), 3 slots (48 KB each) plus 64 KB for the two warpgroups' output tiles.
 BM, BN, BK, STAGES = 128, 256, 64, 3
+BK_FP8 = 128
 WARPS = 4
 # At 168 registers a thread the 384 threads hold the register file, shared out as 240 / 240 / 24.
 MAX_REGISTERS = 168
@@ -89,7 +90,7 @@ def _tile(t, n_tiles_n, n_tiles_n1, BM: gl.constexpr, BN: gl.constexpr):
 def _load_partition(args, B_KN: gl.constexpr):
     """One warp: A and B blocks of every tile of this program, slot after slot of the ring."""
     (a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
-     Cos, Sin, Rstd, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n) = args
+     Cos, Sin, Rstd, WScale, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n) = args
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = c_desc.block_type.shape[1]
@@ -149,17 +150,19 @@ def _rope_norm_epilogue(out, cos, sin, Rstd, r0, M, head0, heads, first, n_heads
 
 @gluon.jit
 def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   SCALE_ROWS: gl.constexpr, B_KN: gl.constexpr):
+                   SCALE_ROWS: gl.constexpr, SCALE_W: gl.constexpr, B_KN: gl.constexpr):
     """Warpgroup WG: rows 64 WG .. 64 WG + 63 of each tile, accumulated over K, then the epilogue."""
     (a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
-     Cos, Sin, Rstd, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n) = args
+     Cos, Sin, Rstd, WScale, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n) = args
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     HALF: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     NS: gl.constexpr = a_smem.type.shape[0]
+    # A warpgroup product takes 32 bytes of K per row: 16 columns of 16-bit operands, 32 of FP8.
+    INSTR_K: gl.constexpr = 256 // a_desc.dtype.primitive_bitwidth
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, INSTR_K])
     # Rows of 16-byte vectors for the elementwise epilogue that works on halves of heads.
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     out = c_smem.index(WG)
@@ -196,10 +199,14 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
         if SCALE_ROWS:
             rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
             scale = gl.load(Rstd + rows, mask=rows < M, other=0.0)
+        if SCALE_W:
+            w_scale = gl.load(WScale)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(free.index((j - 1) % NS), count=1)
         if SCALE_ROWS:
             acc = acc * scale[:, None]
+        if SCALE_W:
+            acc = acc * w_scale
 
         if EPILOGUE == PLAIN:
             tma.store_wait(0)  # the last tile's store has read the buffer
@@ -238,14 +245,14 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
 
 @gluon.jit
 def _second_mma_partition(args, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_ROWS: gl.constexpr,
-                          B_KN: gl.constexpr):
-    _mma_partition(args, 1, EPILOGUE, HEAD_DIM, SCALE_ROWS, B_KN)
+                          SCALE_W: gl.constexpr, B_KN: gl.constexpr):
+    _mma_partition(args, 1, EPILOGUE, HEAD_DIM, SCALE_ROWS, SCALE_W, B_KN)
 
 
 @gluon.jit
-def _matmul_kernel(a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Cos, Sin, Rstd, M, N, N2, K, K1,
-                   EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_ROWS: gl.constexpr,
-                   B_KN: gl.constexpr, STAGES: gl.constexpr):
+def _matmul_kernel(a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Cos, Sin, Rstd, WScale, M, N,
+                   N2, K, K1, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_ROWS: gl.constexpr,
+                   SCALE_W: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -263,12 +270,21 @@ def _matmul_kernel(a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Co
     n_tiles_n = n_tiles_n1 + gl.cdiv(N2, BN)
     n_tiles = gl.cdiv(M, BM) * n_tiles_n
     args = (a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free,
-            g_ready, Cos, Sin, Rstd, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n)
+            g_ready, Cos, Sin, Rstd, WScale, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n)
     gl.warp_specialize([
-        (_mma_partition, (args, 0, EPILOGUE, HEAD_DIM, SCALE_ROWS, B_KN)),
-        (_second_mma_partition, (args, EPILOGUE, HEAD_DIM, SCALE_ROWS, B_KN)),
+        (_mma_partition, (args, 0, EPILOGUE, HEAD_DIM, SCALE_ROWS, SCALE_W, B_KN)),
+        (_second_mma_partition, (args, EPILOGUE, HEAD_DIM, SCALE_ROWS, SCALE_W, B_KN)),
         (_load_partition, (args, B_KN)),
     ], [4, 1], [240, 24])
+
+
+GL_DTYPES = {
+    torch.bfloat16: gl.bfloat16,
+    torch.float16: gl.float16,
+    torch.float8_e4m3fn: gl.float8e4nv,
+    torch.float8_e5m2: gl.float8e5,
+}
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def supported(*tensors: torch.Tensor) -> bool:
@@ -288,8 +304,26 @@ def supported(*tensors: torch.Tensor) -> bool:
 
 
 def descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype])
+    return TensorDescriptor.from_tensor(x, block, layout)
+
+
+def _k_block(a: torch.Tensor, b: torch.Tensor, w_scale: torch.Tensor | None) -> int:
+    """The columns of K per ring slot for A B^T: FP8 operands (both, with B's scale) or 16-bit ones."""
+    fp8 = a.dtype in FP8
+    if fp8 != (b.dtype in FP8) or fp8 != (w_scale is not None):
+        raise ValueError(
+            f"{a.dtype} and {b.dtype} operands with{'out' if w_scale is None else ''} a weight scale: FP8 "
+            "products take FP8 operands and the weight's float32 scale, 16-bit ones neither"
+        )
+    if fp8 and (w_scale.numel() != 1 or w_scale.dtype != torch.float32):
+        raise ValueError(f"w_scale {w_scale.dtype} {tuple(w_scale.shape)}: expected one float32")
+    return BK_FP8 if fp8 else BK
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The output's dtype: bf16 for FP8 operands, else theirs."""
+    return torch.bfloat16 if x.dtype in FP8 else x.dtype
 
 
 def _check_rstd(rstd: torch.Tensor | None, M: int) -> None:
@@ -297,23 +331,36 @@ def _check_rstd(rstd: torch.Tensor | None, M: int) -> None:
         raise ValueError(f"rstd {rstd.dtype} {tuple(rstd.shape)}: expected contiguous float32 [{M}]")
 
 
-def relu2_matmul(x: torch.Tensor, w1: torch.Tensor, rstd: torch.Tensor | None = None) -> torch.Tensor:
-    """a = relu(x w1^T)^2 for x [M, K] and w1 [N, K]; with rstd (float32 [M]), of x's rows scaled by it."""
+def relu2_matmul(
+    x: torch.Tensor, w1: torch.Tensor, rstd: torch.Tensor | None = None, w_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """a = relu(x w1^T)^2 for x [M, K] and w1 [N, K]; with rstd (float32 [M]), of x's rows scaled by it.
+    FP8 x and w1 (a bf16 a) take w1's float32 scale, w_scale: a = relu(rstd * w_scale * x w1^T)^2, where
+    rstd also carries x's row scales."""
     (M, K), N = x.shape, w1.shape[0]
     if w1.shape[1] != K:
         raise ValueError(f"x {tuple(x.shape)} and w1 {tuple(w1.shape)}: expected [M, K] and [N, K]")
     _check_rstd(rstd, M)
-    a = x.new_empty(M, N)
-    a_desc, w1_desc = descriptor(a, [BM // 2, BN]), descriptor(w1, [BN, BK])
-    _launch(RELU2, descriptor(x, [BM, BK]), w1_desc, w1_desc, a_desc, a_desc, a_desc, M, N, 0, K, rstd=rstd)
+    bk = _k_block(x, w1, w_scale)
+    a = torch.empty(M, N, device=x.device, dtype=_out_dtype(x))
+    a_desc, w1_desc = descriptor(a, [BM // 2, BN]), descriptor(w1, [BN, bk])
+    _launch(
+        RELU2, descriptor(x, [BM, bk]), w1_desc, w1_desc, a_desc, a_desc, a_desc, M, N, 0, K, rstd=rstd,
+        w_scale=w_scale,
+    )
     return a
 
 
 def relu2_grad_matmul(
-    g: torch.Tensor, w2_t: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor | None = None
+    g: torch.Tensor,
+    w2_t: torch.Tensor,
+    a: torch.Tensor,
+    rstd: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dh = (g w2) * 2 sqrt(a) for g [M, K], w2_t = w2^T [N, K] (row-major, as an nn.Linear weight) and the
-    forward's a [M, N]; with rstd (float32 [M]), its rows scaled by it."""
+    forward's a [M, N]; with rstd (float32 [M]), its rows scaled by it. FP8 g and w2_t (a and dh in bf16)
+    take w2_t's float32 scale, w_scale, as relu2_matmul."""
     (M, K), N = g.shape, w2_t.shape[0]
     if w2_t.shape[1] != K or a.shape != (M, N):
         raise ValueError(
@@ -321,11 +368,14 @@ def relu2_grad_matmul(
             "expected [M, K], [N, K], [M, N]"
         )
     _check_rstd(rstd, M)
-    dh = g.new_empty(M, N)
-    w_desc, dh_desc = descriptor(w2_t, [BN, BK]), descriptor(dh, [BM // 2, BN])
+    bk = _k_block(g, w2_t, w_scale)
+    if a.dtype != _out_dtype(g):
+        raise ValueError(f"a {a.dtype}: expected {_out_dtype(g)} for {g.dtype} operands")
+    dh = torch.empty(M, N, device=g.device, dtype=a.dtype)
+    w_desc, dh_desc = descriptor(w2_t, [BN, bk]), descriptor(dh, [BM // 2, BN])
     _launch(
-        RELU2_GRAD, descriptor(g, [BM, BK]), w_desc, w_desc, dh_desc, dh_desc, descriptor(a, [BM // 2, BN]),
-        M, N, 0, K, rstd=rstd,
+        RELU2_GRAD, descriptor(g, [BM, bk]), w_desc, w_desc, dh_desc, dh_desc, descriptor(a, [BM // 2, BN]),
+        M, N, 0, K, rstd=rstd, w_scale=w_scale,
     )
     return dh
 
@@ -344,6 +394,36 @@ def residual_matmul(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.
         M, N, 0, K,
     )
     return out
+
+
+def scaled_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    row_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    r: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """row_scale * w_scale * a b^T in bf16 for FP8 a [M, K] and b [N, K] (both K-major, as FP8 products take
+    them), row_scale float32 [M] and one float32 w_scale; with r [M, N] (bf16), r plus that (the residual
+    epilogue, rounded once)."""
+    (M, K), N = a.shape, b.shape[0]
+    if b.shape[1] != K or (r is not None and r.shape != (M, N)):
+        raise ValueError(
+            f"a {tuple(a.shape)}, b {tuple(b.shape)}, r {None if r is None else tuple(r.shape)}: expected "
+            "[M, K], [N, K], [M, N]"
+        )
+    _check_rstd(row_scale, M)
+    bk = _k_block(a, b, w_scale)
+    if a.dtype not in FP8 or (r is not None and r.dtype != torch.bfloat16):
+        raise ValueError(f"a {a.dtype}, r {None if r is None else r.dtype}: expected FP8 and bfloat16")
+    c = torch.empty(M, N, device=a.device, dtype=torch.bfloat16)
+    b_desc, c_desc = descriptor(b, [BN, bk]), descriptor(c, [BM // 2, BN])
+    r_desc = c_desc if r is None else descriptor(r, [BM // 2, BN])
+    _launch(
+        PLAIN if r is None else RESIDUAL, descriptor(a, [BM, bk]), b_desc, b_desc, c_desc, c_desc, r_desc,
+        M, N, 0, K, rstd=row_scale, w_scale=w_scale,
+    )
+    return c
 
 
 def rope_norm_matmul(
@@ -411,17 +491,17 @@ def _kn_product(
 
 def _launch(epilogue: gl.constexpr, a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, M: int, N: int, N2: int,
             K: int, cos=None, sin=None, rstd=None, head_dim: int = 0, a2_desc=None, K1: int | None = None,
-            b_kn: bool = False) -> None:
+            b_kn: bool = False, w_scale=None) -> None:
     """C = epilogue(A B^T) over the columns of B (N) and then of B2 (N2) if any, into C and C2. A's first K1
     columns come from a_desc and the rest from a2_desc, where given (K1 a multiple of BK). B is [N, K], or
     with b_kn [K, N] (B^T's layout; no B2 then). rstd: written by the q/k product, read (rows' scales, where
-    given) by the MLP's."""
+    given) by the MLP's and the FP8 products'. w_scale: B's FP8 scale (one float32), where given."""
     n_tiles = triton.cdiv(M, BM) * (triton.cdiv(N, BN) + triton.cdiv(N2, BN))
     programs = min(n_tiles, torch.cuda.get_device_properties(a_desc.base.device).multi_processor_count)
     scale_rows = rstd is not None and epilogue.value != ROPE_NORM.value
     _matmul_kernel[(programs,)](
         a_desc, a_desc if a2_desc is None else a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, cos, sin,
-        rstd, M, N, N2, K, K if K1 is None else K1,
-        EPILOGUE=epilogue.value, HEAD_DIM=head_dim, SCALE_ROWS=scale_rows, B_KN=b_kn,
-        STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+        rstd, w_scale, M, N, N2, K, K if K1 is None else K1,
+        EPILOGUE=epilogue.value, HEAD_DIM=head_dim, SCALE_ROWS=scale_rows, SCALE_W=w_scale is not None,
+        B_KN=b_kn, STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )
