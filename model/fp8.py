@@ -17,33 +17,9 @@ on silently clipped values.
 import torch
 
 from configs.schema import ConfigError
+from kernels.fused.numerics import E4M3, E5M2, quantize
 
 FP8_MODES = ("none", "tensorwise", "rowwise")
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-# Below this amax a tensor counts as zero: its scale stays finite and its product is exactly zero.
-AMAX_FLOOR = 1e-12
-
-
-def scale(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> torch.Tensor:
-    """float32 s with max |x * s| = dtype's largest finite value: one for the tensor, or one per slice along
-    `dim` (keepdim)."""
-    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-    return torch.finfo(dtype).max / amax.float().clamp_min(AMAX_FLOOR)
-
-
-def cast(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x * s in dtype, saturated at its largest finite value (beyond it a plain cast may give inf)."""
-    top = torch.finfo(dtype).max
-    return (x.float() * s).clamp(-top, top).to(dtype)
-
-
-def quantize(
-    x: torch.Tensor, dtype: torch.dtype, dim: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x scaled into dtype, 1 / s): x is about `x8.float() * inv_scale`."""
-    s = scale(x, dtype, dim)
-    return cast(x, s, dtype), s.reciprocal()
 
 
 def _product(

@@ -141,6 +141,11 @@ class MLP(nn.Module):
             from kernels.fused import relu2_mlp
 
             return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)
+        # FP8 on Hopper: the fused operator with FP8 products (row-scaled activations, tensor-scaled weights).
+        if self.fused and self.fp8 == "tensorwise" and hopper_kernels_run_on(x) and x.dtype == torch.bfloat16:
+            from kernels.fused import relu2_mlp_fp8
+
+            return relu2_mlp_fp8(x, self.c_fc.weight, self.c_proj.weight)
         return self.plain(x)
 
     def plain(self, x):

@@ -4,7 +4,8 @@ Public surface (each a PyTorch custom op with autograd and a fake implementation
 through it with fullgraph=True; on the CPU each runs its PyTorch formula):
 - `qkv_rope_norm(x, wq, wk, wv, cos, sin)`: attention's q, k, v with RoPE and the per-head RMSNorm of q and
   k applied in the product's epilogue (qkv.py); `supported_head_dim(head_dim)` says where it applies.
-- `relu2_mlp(x, w1, w2)`: the block's MLP, x + relu(rms_norm(x) W1^T)^2 W2^T (mlp.py).
+- `relu2_mlp(x, w1, w2)`: the block's MLP, x + relu(rms_norm(x) W1^T)^2 W2^T (mlp.py); `relu2_mlp_fp8`, the
+  same with FP8 products.
 - `residual_linear(r, y, w)`: r + y W^T, attention's output projection with the residual added in the
   product's epilogue (residual.py).
 - `softcap_cross_entropy(logits, targets, scale, cap)`: the soft-capped loss and its gradient in one
@@ -23,6 +24,7 @@ __all__ = [
     "qkv_rope_norm",
     "supported_head_dim",
     "relu2_mlp",
+    "relu2_mlp_fp8",
     "residual_linear",
     "softcap_cross_entropy",
 ]
@@ -31,6 +33,7 @@ _OPERATORS = {
     "qkv_rope_norm": "qkv",
     "supported_head_dim": "qkv",
     "relu2_mlp": "mlp",
+    "relu2_mlp_fp8": "mlp",
     "residual_linear": "residual",
     "softcap_cross_entropy": "cross_entropy",
 }

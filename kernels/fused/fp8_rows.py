@@ -4,21 +4,19 @@ Each row is scaled so that its largest magnitude lands on the format's largest f
 saturated there and cast; the row's dequantisation scale 1 / s is returned beside it, so that x is about
 x8 * scale[:, None]. With `rstd=True` the kernel also takes each row's 1/rms, the RMSNorm that the
 product's epilogue applies, and returns scale * rstd instead (with rstd itself, for the backward): the
-normalised input is never written. As model/fp8.py: a row of zeros gets a finite scale and quantises to
-zeros; a non-finite value makes its row's scale 0 or NaN, so the product shows it.
+normalised input is never written. As numerics.py's tensorwise `quantize`: a row of zeros gets a finite
+scale and quantises to zeros; a non-finite value makes its row's scale 0 or NaN, so the product shows it.
 """
 
 import torch  # noqa: I001 (kernels.common must come before triton)
 
 # Before triton: without CUDA it switches Triton to the interpreter (see kernels/common.py).
 from kernels.common import check_interpreter
-from kernels.fused.numerics import RMS_EPS
+from kernels.fused.numerics import AMAX_FLOOR, RMS_EPS
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-# Below this amax a row counts as zero (model/fp8.py's AMAX_FLOOR).
-AMAX_FLOOR = 1e-12
 # Elements a program holds: whole rows of up to this many columns, as many rows as fit.
 ELEMENTS = 4096
 

@@ -24,7 +24,7 @@ import torch  # noqa: I001 (kernels.common must come before triton)
 
 # Before triton: without CUDA it switches Triton to the interpreter (see kernels/common.py).
 from kernels.common import check_interpreter
-from kernels.fused.numerics import RMS_EPS, wide
+from kernels.fused.numerics import E4M3, RMS_EPS, quantize, wide
 from kernels.fused.products import on_hopper_product, weight_grad
 
 import triton  # noqa: E402
@@ -140,13 +140,18 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, w1, w2_t, output[1], output[2])
 
 
+def _input_grad(grad_out: torch.Tensor, x: torch.Tensor, u: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """dx = g + u - x r^2 mean(u x): the residual's gradient and the norm's backward (module docstring)."""
+    xf, uf = x.to(rstd.dtype), u.to(rstd.dtype)
+    dx = grad_out.to(rstd.dtype) + uf - xf * (rstd.square() * (uf * xf).mean(dim=-1))[:, None]
+    return dx.to(x.dtype)
+
+
 def _backward(ctx, grad_out, grad_a, grad_rstd):
     # a and rstd are outputs only so that the backward can keep them; nothing downstream differentiates them.
     x, w1, w2_t, a, rstd = ctx.saved_tensors
     u, dw1, dw2 = relu2_mlp_bwd(grad_out, x, w1, w2_t, a, rstd)
-    xf, uf = x.to(rstd.dtype), u.to(rstd.dtype)
-    dx = grad_out.to(rstd.dtype) + uf - xf * (rstd.square() * (uf * xf).mean(dim=-1))[:, None]
-    return dx.to(x.dtype), dw1, dw2
+    return _input_grad(grad_out, x, u, rstd), dw1, dw2
 
 
 # torch's compiled-graph cache does not key on the formula registered here: after changing _backward,
@@ -154,12 +159,124 @@ def _backward(ctx, grad_out, grad_a, grad_rstd):
 relu2_mlp_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def relu2_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """x + relu(rms_norm(x) w1^T)^2 w2^T for x [T, C], w1 [H, C] and w2 [C, H], in x's dtype (the weights are
-    cast to it, as autocast would cast them for the products)."""
+def _check_shapes(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:
     if x.dim() != 2 or w1.shape != (w2.shape[1], x.shape[1]) or w2.shape[0] != x.shape[1]:
         raise ValueError(
             f"x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}: expected [T, C], [H, C], [C, H]"
         )
+
+
+def relu2_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x + relu(rms_norm(x) w1^T)^2 w2^T for x [T, C], w1 [H, C] and w2 [C, H], in x's dtype (the weights are
+    cast to it, as autocast would cast them for the products)."""
+    _check_shapes(x, w1, w2)
     out, _, _ = relu2_mlp_fwd(x.contiguous(), w1.to(x.dtype), w2.t().to(x.dtype).contiguous())
+    return out
+
+
+# ---- FP8 ------------------------------------------------------------------------------------------------
+# The same MLP with FP8 products for its forward and input gradients (Hopper): every product's left operand
+# (x, a, g, dh) quantised row by row to e4m3 by fp8_rows.py, its right one (W1, W2 and their transposes) per
+# tensor. The row scales multiply the rows in the products' epilogues, x's with its 1/rms (so the norm stays
+# unwritten, as in the bf16 operator), and the weight's scale the whole. a, dh and the outputs are bf16, the
+# weight gradients are the bf16 products of the operator above (wgrad_hopper.py).
+
+
+def _rows_fp8(x: torch.Tensor, with_rstd: bool = False):
+    """(x8, row scale, 1/rms or None): fp8_rows.py on the GPU, the same formula in PyTorch elsewhere."""
+    if x.is_cuda:
+        from kernels.fused.fp8_rows import quantize_rows
+
+        return quantize_rows(x, E4M3, with_rstd)
+    x8, inv = quantize(x, E4M3, dim=-1)
+    rstd = row_rstd(x) if with_rstd else None
+    return x8, inv[:, 0] * (1 if rstd is None else rstd), rstd
+
+
+def _fp8_product(
+    a8, row_scale, b8, b_scale, epilogue: str, extra: torch.Tensor | None = None
+) -> torch.Tensor:
+    """row_scale * b_scale * a8 b8^T through `epilogue` (relu2: relu()^2; relu2_grad: times 2 sqrt(extra);
+    residual: plus extra; plain), in bf16: gemm_hopper.py's FP8 product on Hopper, float32 math elsewhere."""
+    w_scale = b_scale.reshape(1)
+    if a8.is_cuda and torch.cuda.get_device_capability(a8.device)[0] == 9:
+        from kernels.fused import gemm_hopper as gh
+
+        if epilogue == "relu2":
+            return gh.relu2_matmul(a8, b8, row_scale, w_scale)
+        if epilogue == "relu2_grad":
+            return gh.relu2_grad_matmul(a8, b8, extra, row_scale, w_scale)
+        return gh.scaled_matmul(a8, b8, row_scale, w_scale, extra)
+    p = (a8.float() @ b8.float().t()) * row_scale[:, None] * w_scale
+    if epilogue == "relu2":
+        p = torch.relu(p).square()
+    elif epilogue == "relu2_grad":
+        p = p * (2 * extra.float().sqrt())
+    elif epilogue == "residual":
+        p = p + extra.float()
+    return p.bfloat16()
+
+
+@torch.library.custom_op("varlen_gpt::relu2_mlp_fp8_fwd", mutates_args=())
+def relu2_mlp_fp8_fwd(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x8, x_scale, rstd = _rows_fp8(x, with_rstd=True)
+    w1_8, w1_scale = quantize(w1, E4M3)
+    a = _fp8_product(x8, x_scale, w1_8, w1_scale, "relu2")
+    a8, a_scale, _ = _rows_fp8(a)
+    w2_8, w2_scale = quantize(w2, E4M3)
+    return _fp8_product(a8, a_scale, w2_8, w2_scale, "residual", x), a, rstd
+
+
+@relu2_mlp_fp8_fwd.register_fake
+def _(x, w1, w2):
+    return (
+        torch.empty_like(x),
+        x.new_empty(x.shape[0], w1.shape[0]),
+        x.new_empty(x.shape[0], dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("varlen_gpt::relu2_mlp_fp8_bwd", mutates_args=())
+def relu2_mlp_fp8_bwd(
+    g: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u, dW1, dW2) as relu2_mlp_bwd's, u and dh from FP8 products."""
+    g = g.contiguous()
+    g8, g_scale, _ = _rows_fp8(g)
+    w2_8, w2_scale = quantize(w2, E4M3)
+    # One scale holds for a tensor and its transpose: the transposed copies are of the FP8 bytes.
+    dh = _fp8_product(g8, g_scale * rstd, w2_8.t().contiguous(), w2_scale, "relu2_grad", a)
+    dh8, dh_scale, _ = _rows_fp8(dh)
+    w1_8, w1_scale = quantize(w1, E4M3)
+    u = _fp8_product(dh8, dh_scale, w1_8.t().contiguous(), w1_scale, "plain")
+    return u, weight_grad(dh, x), weight_grad(g, a)
+
+
+@relu2_mlp_fp8_bwd.register_fake
+def _(g, x, w1, w2, a, rstd):
+    return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+
+
+def _setup_fp8_context(ctx, inputs, output):
+    x, w1, w2 = inputs
+    ctx.save_for_backward(x, w1, w2, output[1], output[2])
+
+
+def _fp8_backward(ctx, grad_out, grad_a, grad_rstd):
+    x, w1, w2, a, rstd = ctx.saved_tensors
+    u, dw1, dw2 = relu2_mlp_fp8_bwd(grad_out, x, w1, w2, a, rstd)
+    return _input_grad(grad_out, x, u, rstd), dw1, dw2
+
+
+relu2_mlp_fp8_fwd.register_autograd(_fp8_backward, setup_context=_setup_fp8_context)
+
+
+def relu2_mlp_fp8(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """relu2_mlp with FP8 products (see above), for a bf16 x: out and x's gradient in bf16."""
+    _check_shapes(x, w1, w2)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x {x.dtype}: the FP8 MLP takes a bfloat16 residual stream")
+    out, _, _ = relu2_mlp_fp8_fwd(x.contiguous(), w1.to(x.dtype), w2.to(x.dtype))
     return out

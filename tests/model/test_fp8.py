@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from configs.schema import ConfigError, ModelConfig
-from model.fp8 import E4M3, E5M2, cast, check_mode, linear, quantize, scale
+from kernels.fused.numerics import E4M3, E5M2, cast, quantize, scale
+from model.fp8 import check_mode, linear
 from model.gpt import GPT
 
 # (mantissa bits, smallest normal exponent, largest finite value) of each format.

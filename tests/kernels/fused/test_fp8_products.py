@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from kernels.fused import gemm_hopper
-from kernels.fused.fp8_rows import AMAX_FLOOR, quantize_rows
-from kernels.fused.numerics import RMS_EPS
-from model.fp8 import E4M3, E5M2, quantize
+from kernels.fused.fp8_rows import quantize_rows
+from kernels.fused.numerics import AMAX_FLOOR, E4M3, E5M2, RMS_EPS, quantize
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

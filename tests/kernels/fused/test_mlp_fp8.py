@@ -1,0 +1,99 @@
+"""The FP8 MLP operator (kernels/fused/mlp.py's relu2_mlp_fp8): its output and gradients against a float64
+statement of its recipe (each left operand quantised per row, each weight per tensor, a and dh rounded to
+bf16 before they are quantised), on the CPU (its PyTorch formulas) and on Hopper (the Gluon FP8 products);
+and against the float64 MLP itself, within FP8's rounding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.fused.mlp import relu2_mlp_fp8
+from kernels.fused.numerics import E4M3, RMS_EPS, quantize
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def inputs(T, C, H, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(T, C, device=device, generator=gen) * torch.rand(T, 1, device=device, generator=gen) * 4
+    w1 = torch.randn(H, C, device=device, generator=gen) * C**-0.5
+    w2 = torch.randn(C, H, device=device, generator=gen) * H**-0.5
+    g = torch.randn(T, C, device=device, generator=gen) * 1e-3
+    return x.bfloat16(), w1, w2, g.bfloat16()
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """t quantised per row to e4m3 and back, in float64."""
+    t8, inv = quantize(t, E4M3, dim=-1)
+    return t8.double() * inv.double()
+
+
+def whole(w: torch.Tensor) -> torch.Tensor:
+    """w (as the operator casts it, to bf16) quantised per tensor to e4m3 and back, in float64."""
+    w8, inv = quantize(w.bfloat16(), E4M3)
+    return w8.double() * inv.double()
+
+
+def recipe(x, w1, w2, g):
+    """(out, dx, dW1, dW2) of the FP8 recipe in float64, the norm's backward by autograd."""
+    xd = x.double().requires_grad_()
+    rstd = torch.rsqrt(xd.detach().square().mean(dim=1) + RMS_EPS)
+    w1q, w2q = whole(w1), whole(w2)
+    a = (torch.relu((rows(x) @ w1q.t()) * rstd[:, None]).square()).bfloat16()
+    out = x.double() + rows(a) @ w2q.t()
+    dh = ((rows(g) @ w2q) * 2 * a.double().sqrt() * rstd[:, None]).bfloat16()
+    u = rows(dh) @ w1q  # rstd times the normalised input's gradient
+    normed = F.rms_norm(xd, (x.shape[1],), eps=RMS_EPS)
+    (normed * (u / rstd[:, None])).sum().backward()
+    dx = g.double() + xd.grad
+    return out, dx, dh.double().t() @ x.double(), g.double().t() @ a.double()
+
+
+def operator(x, w1, w2, g):
+    leaves = [t.detach().requires_grad_() for t in (x, w1, w2)]
+    out = relu2_mlp_fp8(*leaves)
+    out.backward(g)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def check(device, T, C, H, tolerance):
+    x, w1, w2, g = inputs(T, C, H, device)
+    got = operator(x, w1, w2, g)
+    want = recipe(x, w1, w2, g)
+    for name, a, b in zip(("out", "dx", "dW1", "dW2"), got, want, strict=True):
+        assert rel_err(a, b) < tolerance, (name, rel_err(a, b))
+    # The MLP itself in float64: FP8's rounding of every operand, nothing worse.
+    leaves = [t.double().requires_grad_() for t in (x, w1, w2)]
+    exact = (
+        leaves[0] + F.relu(F.rms_norm(leaves[0], (C,), eps=RMS_EPS) @ leaves[1].t()).square() @ leaves[2].t()
+    )
+    exact.backward(g.double())
+    for name, a, b in zip(("out", "dx", "dW1", "dW2"), got, [exact, *(t.grad for t in leaves)], strict=True):
+        assert rel_err(a, b) < 0.1, (name, rel_err(a, b))
+
+
+def test_recipe_on_the_cpu():
+    check("cpu", 96, 64, 256, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+def test_recipe_on_hopper_at_d20_widths():
+    check("cuda", 4096, 1280, 5120, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+def test_compiles_without_graph_break():
+    x, w1, w2, g = inputs(4096, 1280, 5120, "cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(relu2_mlp_fp8, fullgraph=True, dynamic=False)
+    leaves = [t.detach().requires_grad_() for t in (x, w1, w2)]
+    compiled(*leaves).backward(g)
+    want = operator(x, w1, w2, g)
+    assert torch.equal(compiled(*[t.detach() for t in (x, w1, w2)]), want[0])
+    assert torch.equal(leaves[0].grad, want[1])
