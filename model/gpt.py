@@ -106,6 +106,10 @@ class CausalSelfAttention(nn.Module):
             from kernels.fused import residual_linear
 
             return residual_linear(residual, y, self.c_proj.weight)
+        if self.fused_residual and self.fp8 == "tensorwise" and fp8_kernels_run_on(residual):
+            from kernels.fused import residual_linear_fp8
+
+            return residual_linear_fp8(residual, y, self.c_proj.weight)
         return residual + linear(y, self.c_proj.weight, self.fp8)
 
     def plain_qkv(self, x, rotary):
@@ -142,7 +146,7 @@ class MLP(nn.Module):
 
             return relu2_mlp(x, self.c_fc.weight, self.c_proj.weight)
         # FP8 on Hopper: the fused operator with FP8 products (row-scaled activations, tensor-scaled weights).
-        if self.fused and self.fp8 == "tensorwise" and hopper_kernels_run_on(x) and x.dtype == torch.bfloat16:
+        if self.fused and self.fp8 == "tensorwise" and fp8_kernels_run_on(x):
             from kernels.fused import relu2_mlp_fp8
 
             return relu2_mlp_fp8(x, self.c_fc.weight, self.c_proj.weight)
@@ -152,6 +156,12 @@ class MLP(nn.Module):
         """forward in PyTorch products (the decode step's: the fused operator is made for many tokens)."""
         h = F.relu(linear(rms_norm(x), self.c_fc.weight, self.fp8)).square()
         return x + linear(h, self.c_proj.weight, self.fp8)
+
+
+def fp8_kernels_run_on(x: torch.Tensor) -> bool:
+    """Whether the FP8 operators (kernels/fused: relu2_mlp_fp8, residual_linear_fp8) run on x: the fused
+    products' Hopper GPU and a bf16 residual stream, in which they write."""
+    return hopper_kernels_run_on(x) and x.dtype == torch.bfloat16
 
 
 def hopper_kernels_run_on(x: torch.Tensor, head_dim: int | None = None) -> bool:

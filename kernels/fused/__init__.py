@@ -7,7 +7,7 @@ through it with fullgraph=True; on the CPU each runs its PyTorch formula):
 - `relu2_mlp(x, w1, w2)`: the block's MLP, x + relu(rms_norm(x) W1^T)^2 W2^T (mlp.py); `relu2_mlp_fp8`, the
   same with FP8 products.
 - `residual_linear(r, y, w)`: r + y W^T, attention's output projection with the residual added in the
-  product's epilogue (residual.py).
+  product's epilogue (residual.py); `residual_linear_fp8`, the same with FP8 products.
 - `softcap_cross_entropy(logits, targets, scale, cap)`: the soft-capped loss and its gradient in one
   kernel (cross_entropy.py).
 - `RMS_EPS`: the RMSNorm epsilon that the model and the operators share (numerics.py).
@@ -26,6 +26,7 @@ __all__ = [
     "relu2_mlp",
     "relu2_mlp_fp8",
     "residual_linear",
+    "residual_linear_fp8",
     "softcap_cross_entropy",
 ]
 
@@ -35,6 +36,7 @@ _OPERATORS = {
     "relu2_mlp": "mlp",
     "relu2_mlp_fp8": "mlp",
     "residual_linear": "residual",
+    "residual_linear_fp8": "residual",
     "softcap_cross_entropy": "cross_entropy",
 }
 

@@ -25,7 +25,7 @@ import torch  # noqa: I001 (kernels.common must come before triton)
 # Before triton: without CUDA it switches Triton to the interpreter (see kernels/common.py).
 from kernels.common import check_interpreter
 from kernels.fused.numerics import E4M3, RMS_EPS, quantize, wide
-from kernels.fused.products import on_hopper_product, weight_grad
+from kernels.fused.products import fp8_product, fp8_rows, on_hopper_product, weight_grad
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -175,58 +175,23 @@ def relu2_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tens
 
 
 # ---- FP8 ------------------------------------------------------------------------------------------------
-# The same MLP with FP8 products for its forward and input gradients (Hopper): every product's left operand
-# (x, a, g, dh) quantised row by row to e4m3 by fp8_rows.py, its right one (W1, W2 and their transposes) per
-# tensor. The row scales multiply the rows in the products' epilogues, x's with its 1/rms (so the norm stays
-# unwritten, as in the bf16 operator), and the weight's scale the whole. a, dh and the outputs are bf16, the
-# weight gradients are the bf16 products of the operator above (wgrad_hopper.py).
-
-
-def _rows_fp8(x: torch.Tensor, with_rstd: bool = False):
-    """(x8, row scale, 1/rms or None): fp8_rows.py on the GPU, the same formula in PyTorch elsewhere."""
-    if x.is_cuda:
-        from kernels.fused.fp8_rows import quantize_rows
-
-        return quantize_rows(x, E4M3, with_rstd)
-    x8, inv = quantize(x, E4M3, dim=-1)
-    rstd = row_rstd(x) if with_rstd else None
-    return x8, inv[:, 0] * (1 if rstd is None else rstd), rstd
-
-
-def _fp8_product(
-    a8, row_scale, b8, b_scale, epilogue: str, extra: torch.Tensor | None = None
-) -> torch.Tensor:
-    """row_scale * b_scale * a8 b8^T through `epilogue` (relu2: relu()^2; relu2_grad: times 2 sqrt(extra);
-    residual: plus extra; plain), in bf16: gemm_hopper.py's FP8 product on Hopper, float32 math elsewhere."""
-    w_scale = b_scale.reshape(1)
-    if a8.is_cuda and torch.cuda.get_device_capability(a8.device)[0] == 9:
-        from kernels.fused import gemm_hopper as gh
-
-        if epilogue == "relu2":
-            return gh.relu2_matmul(a8, b8, row_scale, w_scale)
-        if epilogue == "relu2_grad":
-            return gh.relu2_grad_matmul(a8, b8, extra, row_scale, w_scale)
-        return gh.scaled_matmul(a8, b8, row_scale, w_scale, extra)
-    p = (a8.float() @ b8.float().t()) * row_scale[:, None] * w_scale
-    if epilogue == "relu2":
-        p = torch.relu(p).square()
-    elif epilogue == "relu2_grad":
-        p = p * (2 * extra.float().sqrt())
-    elif epilogue == "residual":
-        p = p + extra.float()
-    return p.bfloat16()
+# The same MLP with FP8 products for its forward and input gradients (products.py's fp8_rows, fp8_product):
+# every product's left operand (x, a, g, dh) quantised row by row to e4m3, its right one (W1, W2 and their
+# transposes) per tensor. The row scales multiply the rows in the products' epilogues, x's with its 1/rms
+# (so the norm stays unwritten, as in the bf16 operator), and the weight's scale the whole. a, dh and the
+# outputs are bf16, the weight gradients are the bf16 products of the operator above (wgrad_hopper.py).
 
 
 @torch.library.custom_op("varlen_gpt::relu2_mlp_fp8_fwd", mutates_args=())
 def relu2_mlp_fp8_fwd(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x8, x_scale, rstd = _rows_fp8(x, with_rstd=True)
+    x8, x_scale, rstd = fp8_rows(x, with_rstd=True)
     w1_8, w1_scale = quantize(w1, E4M3)
-    a = _fp8_product(x8, x_scale, w1_8, w1_scale, "relu2")
-    a8, a_scale, _ = _rows_fp8(a)
+    a = fp8_product(x8, x_scale, w1_8, w1_scale, "relu2")
+    a8, a_scale, _ = fp8_rows(a)
     w2_8, w2_scale = quantize(w2, E4M3)
-    return _fp8_product(a8, a_scale, w2_8, w2_scale, "residual", x), a, rstd
+    return fp8_product(a8, a_scale, w2_8, w2_scale, "residual", x), a, rstd
 
 
 @relu2_mlp_fp8_fwd.register_fake
@@ -244,13 +209,13 @@ def relu2_mlp_fp8_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(u, dW1, dW2) as relu2_mlp_bwd's, u and dh from FP8 products."""
     g = g.contiguous()
-    g8, g_scale, _ = _rows_fp8(g)
+    g8, g_scale, _ = fp8_rows(g)
     w2_8, w2_scale = quantize(w2, E4M3)
     # One scale holds for a tensor and its transpose: the transposed copies are of the FP8 bytes.
-    dh = _fp8_product(g8, g_scale * rstd, w2_8.t().contiguous(), w2_scale, "relu2_grad", a)
-    dh8, dh_scale, _ = _rows_fp8(dh)
+    dh = fp8_product(g8, g_scale * rstd, w2_8.t().contiguous(), w2_scale, "relu2_grad", a)
+    dh8, dh_scale, _ = fp8_rows(dh)
     w1_8, w1_scale = quantize(w1, E4M3)
-    u = _fp8_product(dh8, dh_scale, w1_8.t().contiguous(), w1_scale, "plain")
+    u = fp8_product(dh8, dh_scale, w1_8.t().contiguous(), w1_scale, "plain")
     return u, weight_grad(dh, x), weight_grad(g, a)
 
 

@@ -1,8 +1,12 @@
 """Which matrix product runs where: the Gluon products of gemm_hopper.py and wgrad_hopper.py on Hopper
-where they take the tensors, cuBLAS's otherwise. The Hopper modules are imported only for CUDA tensors, so
-the operators run their PyTorch formulas on the CPU without them."""
+where they take the tensors, cuBLAS's otherwise; and the FP8 operators' row quantisation and products
+(fp8_rows.py and gemm_hopper.py's FP8 products on Hopper, the same formulas in PyTorch elsewhere). The
+Hopper modules are imported only for CUDA tensors, so the operators run their PyTorch formulas on the CPU
+without them."""
 
 import torch
+
+from kernels.fused.numerics import E4M3, RMS_EPS, quantize
 
 
 def on_hopper_product(*tensors: torch.Tensor) -> bool:
@@ -25,3 +29,36 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, g2: torch.Tensor | None = None
     if g2 is None:
         return g.t() @ x
     return torch.cat([g.t() @ x, g2.t() @ x])
+
+
+def fp8_rows(x: torch.Tensor, with_rstd: bool = False):
+    """(x8, row scale, 1/rms or None): fp8_rows.py on the GPU, the same formula in PyTorch elsewhere."""
+    if x.is_cuda:
+        from kernels.fused.fp8_rows import quantize_rows
+
+        return quantize_rows(x, E4M3, with_rstd)
+    x8, inv = quantize(x, E4M3, dim=-1)
+    rstd = torch.rsqrt(x.float().square().mean(dim=-1) + RMS_EPS) if with_rstd else None
+    return x8, inv[:, 0] * (1 if rstd is None else rstd), rstd
+
+
+def fp8_product(a8, row_scale, b8, b_scale, epilogue: str, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """row_scale * b_scale * a8 b8^T through `epilogue` (relu2: relu()^2; relu2_grad: times 2 sqrt(extra);
+    residual: plus extra; plain), in bf16: gemm_hopper.py's FP8 product on Hopper, float32 math elsewhere."""
+    w_scale = b_scale.reshape(1)
+    if a8.is_cuda and torch.cuda.get_device_capability(a8.device)[0] == 9:
+        from kernels.fused import gemm_hopper as gh
+
+        if epilogue == "relu2":
+            return gh.relu2_matmul(a8, b8, row_scale, w_scale)
+        if epilogue == "relu2_grad":
+            return gh.relu2_grad_matmul(a8, b8, extra, row_scale, w_scale)
+        return gh.scaled_matmul(a8, b8, row_scale, w_scale, extra)
+    p = (a8.float() @ b8.float().t()) * row_scale[:, None] * w_scale
+    if epilogue == "relu2":
+        p = torch.relu(p).square()
+    elif epilogue == "relu2_grad":
+        p = p * (2 * extra.float().sqrt())
+    elif epilogue == "residual":
+        p = p + extra.float()
+    return p.bfloat16()

@@ -10,7 +10,8 @@ The operator has a fake implementation, so torch.compile traces through it witho
 
 import torch
 
-from kernels.fused.products import on_hopper_product
+from kernels.fused.numerics import E4M3, quantize
+from kernels.fused.products import fp8_product, fp8_rows, on_hopper_product, weight_grad
 
 
 @torch.library.custom_op("varlen_gpt::residual_linear", mutates_args=())
@@ -42,11 +43,54 @@ def _backward(ctx, g):
 residual_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def residual_linear(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """r + y w^T for r [T, N], y [T, K] and w [N, K] (an nn.Linear weight), in r's dtype: y and w are cast
-    to it, as autocast would cast them for the product."""
+def _check_shapes(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
     if r.dim() != 2 or y.dim() != 2 or w.shape != (r.shape[1], y.shape[1]) or y.shape[0] != r.shape[0]:
         raise ValueError(
             f"r {tuple(r.shape)}, y {tuple(y.shape)}, w {tuple(w.shape)}: expected [T, N], [T, K], [N, K]"
         )
+
+
+def residual_linear(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """r + y w^T for r [T, N], y [T, K] and w [N, K] (an nn.Linear weight), in r's dtype: y and w are cast
+    to it, as autocast would cast them for the product."""
+    _check_shapes(r, y, w)
     return residual_linear_op(r.contiguous(), y.to(r.dtype).contiguous(), w.to(r.dtype))
+
+
+# ---- FP8 ------------------------------------------------------------------------------------------------
+# The same with FP8 products (products.py's fp8_rows, fp8_product): y and, in the backward, g quantised row
+# by row to e4m3, W per tensor (its transpose for dy = g W), the rows' and W's scales applied and r added in
+# the epilogue; dW = g^T y in bf16 (wgrad_hopper.py where it is preferred).
+
+
+@torch.library.custom_op("varlen_gpt::residual_linear_fp8", mutates_args=())
+def residual_linear_fp8_op(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y8, y_scale, _ = fp8_rows(y)
+    w8, w_scale = quantize(w, E4M3)
+    return fp8_product(y8, y_scale, w8, w_scale, "residual", r)
+
+
+@residual_linear_fp8_op.register_fake
+def _(r, y, w):
+    return r.new_empty(r.shape)
+
+
+def _fp8_backward(ctx, g):
+    y, w = ctx.saved_tensors
+    g = g.contiguous()
+    g8, g_scale, _ = fp8_rows(g)
+    w8, w_scale = quantize(w, E4M3)
+    # One scale holds for W and its transpose: the transposed copy is of the FP8 bytes.
+    dy = fp8_product(g8, g_scale, w8.t().contiguous(), w_scale, "plain")
+    return g, dy, weight_grad(g, y)
+
+
+residual_linear_fp8_op.register_autograd(_fp8_backward, setup_context=_setup_context)
+
+
+def residual_linear_fp8(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """residual_linear with FP8 products (see above) for a bf16 r: out and r's and y's gradients in bf16."""
+    _check_shapes(r, y, w)
+    if r.dtype != torch.bfloat16:
+        raise ValueError(f"r {r.dtype}: the FP8 projection takes a bfloat16 residual stream")
+    return residual_linear_fp8_op(r.contiguous(), y.to(r.dtype).contiguous(), w.to(r.dtype))

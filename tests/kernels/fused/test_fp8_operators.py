@@ -1,7 +1,8 @@
-"""The FP8 MLP operator (kernels/fused/mlp.py's relu2_mlp_fp8): its output and gradients against a float64
-statement of its recipe (each left operand quantised per row, each weight per tensor, a and dh rounded to
-bf16 before they are quantised), on the CPU (its PyTorch formulas) and on Hopper (the Gluon FP8 products);
-and against the float64 MLP itself, within FP8's rounding."""
+"""The FP8 operators (kernels/fused: mlp.py's relu2_mlp_fp8, residual.py's residual_linear_fp8): outputs and
+gradients against a float64 statement of their recipe (each left operand quantised per row, each weight
+per tensor, the MLP's a and dh rounded to bf16 before they are quantised), on the CPU (their PyTorch
+formulas) and on Hopper (the Gluon FP8 products); and against the float64 operation itself, within FP8's
+rounding."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from kernels.fused.mlp import relu2_mlp_fp8
 from kernels.fused.numerics import E4M3, RMS_EPS, quantize
+from kernels.fused.residual import residual_linear_fp8
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -97,3 +99,38 @@ def test_compiles_without_graph_break():
     want = operator(x, w1, w2, g)
     assert torch.equal(compiled(*[t.detach() for t in (x, w1, w2)]), want[0])
     assert torch.equal(leaves[0].grad, want[1])
+
+
+def check_residual(device, T, C, K, tolerance):
+    gen = torch.Generator(device=device).manual_seed(0)
+    r = torch.randn(T, C, device=device, generator=gen).bfloat16()
+    y = (
+        torch.randn(T, K, device=device, generator=gen) * torch.rand(T, 1, device=device, generator=gen)
+    ).bfloat16()
+    w = torch.randn(C, K, device=device, generator=gen) * K**-0.5
+    g = (torch.randn(T, C, device=device, generator=gen) * 1e-3).bfloat16()
+    leaves = [t.detach().requires_grad_() for t in (r, y, w)]
+    out = residual_linear_fp8(*leaves)
+    out.backward(g)
+    got = [out.detach()] + [t.grad for t in leaves]
+    wq = whole(w)
+    recipe_ = [r.double() + rows(y) @ wq.t(), g.double(), rows(g) @ wq, g.double().t() @ y.double()]
+    exact = [
+        r.double() + y.double() @ w.double().t(),
+        g.double(),
+        g.double() @ w.double(),
+        g.double().t() @ y.double(),
+    ]
+    for name, a, b, c in zip(("out", "dr", "dy", "dW"), got, recipe_, exact, strict=True):
+        assert rel_err(a, b) < tolerance, (name, rel_err(a, b))
+        assert rel_err(a, c) < 0.1, (name, rel_err(a, c))
+
+
+def test_residual_recipe_on_the_cpu():
+    check_residual("cpu", 96, 64, 128, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+def test_residual_recipe_on_hopper_at_d20_widths():
+    check_residual("cuda", 4096, 1280, 1280, 2e-2)
