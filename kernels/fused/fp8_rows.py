@@ -41,10 +41,12 @@ def _quantize_rows_kernel(
     inside = (rows[:, None] < T) & (cols[None, :] < C)
     offsets = rows.to(tl.int64)[:, None] * C + cols[None, :]
     x = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
-    s = top / tl.maximum(tl.max(tl.abs(x), axis=1), floor)
+    # Divisions correctly rounded, as numerics.py's: the same scales on every path.
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), floor)
+    s = tl.math.div_rn(tl.full(amax.shape, top, tl.float32), amax)
     x8 = tl.clamp(x * s[:, None], -top, top)
     tl.store(X8 + offsets, x8.to(X8.dtype.element_ty), mask=inside)
-    scale = 1.0 / s
+    scale = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     if WITH_RSTD:
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / C + eps)
         tl.store(Rstd + rows, rstd, mask=rows < T)

@@ -25,7 +25,9 @@ def scale(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> torch.
     """float32 s with max |x * s| = dtype's largest finite value: one for the tensor, or one per slice along
     `dim` (keepdim)."""
     amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-    return torch.finfo(dtype).max / amax.float().clamp_min(AMAX_FLOOR)
+    amax = amax.float().clamp_min(AMAX_FLOOR)
+    # A division of tensors, correctly rounded (`top / amax` would be top * (1 / amax), rounded twice).
+    return torch.full_like(amax, torch.finfo(dtype).max) / amax
 
 
 def cast(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -75,14 +75,28 @@ def _(r, y, w):
     return r.new_empty(r.shape)
 
 
-def _fp8_backward(ctx, g):
-    y, w = ctx.saved_tensors
-    g = g.contiguous()
+@torch.library.custom_op("varlen_gpt::residual_linear_fp8_bwd", mutates_args=())
+def residual_linear_fp8_bwd(
+    g: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dy, dW): dy = g W from an FP8 product, dW = g^T y in bf16. An operator of its own, so that the
+    compiled backward calls the quantisation kernel instead of tracing into it."""
     g8, g_scale, _ = fp8_rows(g)
     w8, w_scale = quantize(w, E4M3)
     # One scale holds for W and its transpose: the transposed copy is of the FP8 bytes.
     dy = fp8_product(g8, g_scale, w8.t().contiguous(), w_scale, "plain")
-    return g, dy, weight_grad(g, y)
+    return dy, weight_grad(g, y)
+
+
+@residual_linear_fp8_bwd.register_fake
+def _(g, y, w):
+    return torch.empty_like(y), torch.empty_like(w)
+
+
+def _fp8_backward(ctx, g):
+    y, w = ctx.saved_tensors
+    dy, dw = residual_linear_fp8_bwd(g.contiguous(), y, w)
+    return g, dy, dw
 
 
 residual_linear_fp8_op.register_autograd(_fp8_backward, setup_context=_setup_context)

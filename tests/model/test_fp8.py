@@ -27,11 +27,13 @@ def round_to_grid(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def reference_quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
-    """x as the FP8 product sees it: scaled by max / amax in float64, rounded to the grid, scaled back."""
+    """x as the FP8 product sees it: scaled by max / amax (correctly rounded to float32, as the scale is
+    float32 in the product), rounded to the grid, scaled back. The scaled value is the float32 product, as
+    every cast to FP8 sees it: rounding the exact product instead moves the odd one that lands on a tie."""
     top = FORMATS[dtype][2]
     amax = x.double().abs().amax() if dim is None else x.double().abs().amax(dim=dim, keepdim=True)
-    s = (top / amax.clamp_min(1e-12)).float().double()  # the scale itself is float32 in the product
-    return round_to_grid(x.double() * s, dtype) / s
+    s = (top / amax.clamp_min(1e-12)).float()
+    return round_to_grid((x.float() * s).double(), dtype) / s.double()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
