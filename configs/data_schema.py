@@ -19,7 +19,7 @@ class DataConfig:
     vocab_size: int = 4096  # bpe: total vocabulary, <|bos|> included
     tokenizer_max_chars: int = 100_000_000  # bpe: characters of training-split text fed to the trainer
     cache_dir: str = "~/.cache/varlen-gpt"  # tokenizers and token shards live under here
-    num_workers: int = 0  # tokenizer processes for prepare; 0 = one per CPU
+    num_workers: int = 0  # tokenizer processes for prepare; 0 = one per CPU the process may use
     shard_tokens: int = 100_000_000  # tokens per shard file (a shard closes at the first batch past this)
     verify: bool = True  # rank 0 re-hashes every shard against the manifest at start (sizes: always checked)
     # Packing: one buffer of T tokens per micro-step, cut into at most max_num_docs attention segments.

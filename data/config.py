@@ -43,7 +43,7 @@ def check_config(cfg) -> None:
         if getattr(cfg, key) < 1:
             raise DataError(f"data.{key}={getattr(cfg, key)} must be at least 1")
     if cfg.num_workers < 0:
-        raise DataError(f"data.num_workers={cfg.num_workers} must be 0 (one per CPU) or more")
+        raise DataError(f"data.num_workers={cfg.num_workers} must be 0 (one per usable CPU) or more")
     if cfg.max_docs is not None and cfg.max_docs < 1:
         raise DataError(f"data.max_docs={cfg.max_docs} must be at least 1 (or null for all documents)")
     if not 0 < cfg.val_fraction < 1:

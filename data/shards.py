@@ -338,11 +338,19 @@ def _tasks(docs):
         yield texts, np.array(flags)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (what a SLURM allocation or `taskset` grants), not every
+    CPU of the node, which os.cpu_count() gives."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _tokenize(cfg, source: Source, raw: bytes, enc: tiktoken.Encoding, folder: Path) -> tuple[dict, list]:
     bos = enc.encode_single_token(tok.BOS)
     writers = {s: _ShardWriter(folder, s, _dtype(enc), bos, cfg.shard_tokens) for s in SPLITS}
     counts = {"skipped_empty": 0}
-    workers = cfg.num_workers or os.cpu_count() or 1
+    workers = cfg.num_workers or usable_cpus()
     # Not fork: under torchrun this process already runs threads (the process groups', tqdm's), and a fork
     # copies their locks, held or not. A forkserver is one clean process that imports this module once and
     # forks each worker from itself.

@@ -3,8 +3,11 @@ manifest, the PackedLoader (batch format, ranks, exact resume), and a clear erro
 
 import io
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -475,3 +478,17 @@ def test_tokenizer_that_does_not_match_the_shards_is_refused(data_copy, data_cor
         DataError, match=r"tokenizer\.json is tokenizer bpe-320-.* shards were tokenized with bpe-300"
     ):
         prepare(cfg, build=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_tokenizer_processes_default_to_the_cpus_the_process_may_use():
+    """A process pinned to one CPU (as a SLURM allocation or taskset pins a job) tokenizes with one worker,
+    however many CPUs the node has."""
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from data.shards import usable_cpus; print(usable_cpus(), os.cpu_count())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    pinned, node = map(int, out.stdout.split())
+    assert pinned == 1 and node == os.cpu_count()
+    assert shards_module.usable_cpus() == len(os.sched_getaffinity(0))
