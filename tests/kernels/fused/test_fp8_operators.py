@@ -13,6 +13,16 @@ from kernels.fused.numerics import E4M3, RMS_EPS, quantize
 from kernels.fused.residual import residual_linear_fp8
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+# Each check runs on the CPU (the operators' PyTorch formulas, small sizes) and, marked, on Hopper (the Gluon
+# FP8 products, at d20's widths).
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")]
+    ),
+]
+MLP_SIZES = {"cpu": (96, 64, 256, 1e-2), "cuda": (4096, 1280, 5120, 2e-2)}
+RESIDUAL_SIZES = {"cpu": (96, 64, 128, 1e-2), "cuda": (4096, 1280, 1280, 2e-2)}
 
 
 def inputs(T, C, H, device):
@@ -88,14 +98,9 @@ def check(device, T, C, H, tolerance, op=relu2_mlp_fp8):
         assert rel_err(a, b) < 0.1, (name, rel_err(a, b))
 
 
-def test_recipe_on_the_cpu():
-    check("cpu", 96, 64, 256, 1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-def test_recipe_on_hopper_at_d20_widths():
-    check("cuda", 4096, 1280, 5120, 2e-2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_mlp_recipe(device):
+    check(device, *MLP_SIZES[device])
 
 
 def check_residual(device, T, C, K, tolerance, op=residual_linear_fp8):
@@ -120,30 +125,18 @@ def check_residual(device, T, C, K, tolerance, op=residual_linear_fp8):
         assert rel_err(a, c) < 0.1, (name, rel_err(a, c))
 
 
-def test_residual_recipe_on_the_cpu():
-    check_residual("cpu", 96, 64, 128, 1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-def test_residual_recipe_on_hopper_at_d20_widths():
-    check_residual("cuda", 4096, 1280, 1280, 2e-2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_residual_recipe(device):
+    check_residual(device, *RESIDUAL_SIZES[device])
 
 
 # Compiled as the model compiles them: one frame each, the quantisation and products inside opaque operators
 # (a Triton launch traced by the compiler fails on fake tensors), the same recipe as eager.
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs Hopper")]),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_compiled_operators_keep_the_recipe(device):
-    wide = device == "cuda"
     fn, backend = compiled(relu2_mlp_fp8)
-    check(device, *((4096, 1280, 5120, 2e-2) if wide else (96, 64, 256, 1e-2)), op=fn)
+    check(device, *MLP_SIZES[device], op=fn)
     assert backend.frame_count == 1
     fn, backend = compiled(residual_linear_fp8)
-    check_residual(device, *((4096, 1280, 1280, 2e-2) if wide else (96, 64, 128, 1e-2)), op=fn)
+    check_residual(device, *RESIDUAL_SIZES[device], op=fn)
     assert backend.frame_count == 1
