@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from configs.data_schema import DataConfig
 from data import Batch, DataError, PackedLoader, prepare
+from tests.data.test_pipeline import data_config
 
 SEED = 11
 FIELDS = ("input_ids", "targets", "cu_seqlens", "position_ids")
@@ -35,19 +35,7 @@ def write_docs(path: Path, n: int = 120, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("resharding")
-    cfg = DataConfig(
-        source=str(write_docs(root / "docs.jsonl")),
-        cache_dir=str(root / "cache"),
-        vocab_size=300,
-        val_fraction=0.2,
-        num_workers=2,
-        tokens_per_micro_batch=128,
-        max_seqlen=64,
-        max_num_docs=8,
-        pack_window=8,
-        prefetch=2,
-        verify=True,
-    )
+    cfg = data_config(write_docs(root / "docs.jsonl"), root / "cache")
     return cfg, prepare(cfg)
 
 
