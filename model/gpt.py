@@ -78,16 +78,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def training_fp8(mode: str) -> str:
+    """The FP8 mode in effect: `mode` while autograd records (training), "none" otherwise. FP8 is a training
+    recipe; evaluation, sampling and generation run the bf16 products, as nanochat evaluates its FP8 runs,
+    so that validation measures the weights the recipe trained rather than FP8 inference. Each compiled
+    function runs in one grad mode (dynamo guards on it), so this adds no recompile."""
+    return mode if torch.is_grad_enabled() else "none"
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, shape: GPTShape, window: int, fused_rope_norm: bool, fused_residual: bool, fp8: str):
         super().__init__()
-        self.shape, self.window, self.fp8 = shape, window, fp8
+        self.shape, self.window, self.fp8_mode = shape, window, fp8
         self.fused_rope_norm, self.fused_residual = fused_rope_norm, fused_residual
         d, hd = shape.n_embd, shape.head_dim
         self.c_q = nn.Linear(d, shape.n_head * hd, bias=False)
         self.c_k = nn.Linear(d, shape.n_kv_head * hd, bias=False)
         self.c_v = nn.Linear(d, shape.n_kv_head * hd, bias=False)
         self.c_proj = nn.Linear(shape.n_head * hd, d, bias=False)
+
+    @property
+    def fp8(self) -> str:
+        return training_fp8(self.fp8_mode)
 
     def forward(self, x, residual, rotary, attention: Attention, ctx: dict):
         """residual + the attention's output projected, for x = rms_norm(residual)."""
@@ -134,9 +146,13 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, n_embd: int, fused: bool, fp8: str):
         super().__init__()
-        self.fused, self.fp8 = fused, fp8
+        self.fused, self.fp8_mode = fused, fp8
         self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
+
+    @property
+    def fp8(self) -> str:
+        return training_fp8(self.fp8_mode)
 
     def forward(self, x):
         """x + the MLP of rms_norm(x) (the fused operator never writes the normalised x out, and adds x in

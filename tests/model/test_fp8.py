@@ -144,6 +144,46 @@ def test_fp8_model_trains_like_the_float32_one():
         assert rel(grads[mode], grads["none"].double()) < 0.2
 
 
+def test_fp8_is_for_training_and_evaluation_runs_the_bf16_products():
+    """With autograd off (evaluation, sampling) an FP8 model's per-token losses are the bf16 model's with the
+    same weights, bit for bit, compiled as train.py compiles its evaluation; with autograd on, its loss is
+    FP8's. Training then evaluating compiles each function once."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    cfg = dict(depth=2, head_dim=16, aspect_ratio=32, loss_chunk_tokens=64)
+    ids, targets = torch.randint(0, 97, (128,)), torch.randint(0, 97, (128,))
+    cu, pos = torch.tensor([0, 50, 128], dtype=torch.int32), torch.cat([torch.arange(50), torch.arange(78)])
+    models = {}
+    for mode in ("none", "tensorwise"):
+        torch.manual_seed(0)
+        models[mode] = GPT(ModelConfig(**cfg, fp8=mode), vocab_size=97, attention="reference", max_seqlen=128)
+    with torch.no_grad():
+        for p in models["none"].parameters():
+            p.normal_(0, 0.3)
+        models["tensorwise"].load_state_dict(models["none"].state_dict())
+    torch._dynamo.reset()
+    train_backend, eval_backend = CompileCounterWithBackend("inductor"), CompileCounterWithBackend("inductor")
+    fp8 = models["tensorwise"]
+    step = torch.compile(fp8, backend=train_backend, fullgraph=True, dynamic=False)
+    evaluate = torch.compile(fp8.token_losses, backend=eval_backend, fullgraph=True, dynamic=False)
+    bf16_evaluate = torch.compile(models["none"].token_losses, fullgraph=True, dynamic=False)
+    bf16_loss = models["none"](ids, pos, cu, 128, targets)
+    for _ in range(2):
+        fp8_loss = step(ids, pos, cu, 128, targets)
+        fp8_loss.backward()
+        with torch.no_grad():
+            assert torch.equal(
+                evaluate(ids, pos, cu, 128, targets), bf16_evaluate(ids, pos, cu, 128, targets)
+            )
+            want = models["none"].token_losses(ids, pos, cu, 128, targets)
+            assert torch.equal(fp8.token_losses(ids, pos, cu, 128, targets), want)
+    assert (
+        fp8_loss.item() != bf16_loss.item()
+        and abs(fp8_loss.item() - bf16_loss.item()) < 0.05 * bf16_loss.item()
+    )
+    assert train_backend.frame_count == 1 and eval_backend.frame_count == 1
+
+
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
