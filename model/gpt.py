@@ -105,10 +105,11 @@ class CausalSelfAttention(nn.Module):
         """residual + the attention's output projected, for x = rms_norm(residual)."""
         T, s = x.shape[0], self.shape
         if self.fused_rope_norm and hopper_kernels_run_on(x, s.head_dim):
-            from kernels.fused import qkv_rope_norm
+            from kernels.fused import qkv_rope_norm, qkv_rope_norm_fp8
 
+            op = qkv_rope_norm_fp8 if self.fp8 == "tensorwise" and fp8_kernels_run_on(x) else qkv_rope_norm
             weights = self.c_q.weight, self.c_k.weight, self.c_v.weight
-            q, k, v = qkv_rope_norm(x, *weights, rotary[0][:, 0], rotary[1][:, 0])
+            q, k, v = op(x, *weights, rotary[0][:, 0], rotary[1][:, 0])
             q = q.view(T, s.n_head, s.head_dim)
             k, v = k.view(T, s.n_kv_head, s.head_dim), v.view(T, s.n_kv_head, s.head_dim)
         else:
@@ -175,8 +176,8 @@ class MLP(nn.Module):
 
 
 def fp8_kernels_run_on(x: torch.Tensor) -> bool:
-    """Whether the FP8 operators (kernels/fused: relu2_mlp_fp8, residual_linear_fp8) run on x: the fused
-    products' Hopper GPU and a bf16 residual stream, in which they write."""
+    """Whether the FP8 operators (kernels/fused: qkv_rope_norm_fp8, relu2_mlp_fp8, residual_linear_fp8) run
+    on x: the fused products' Hopper GPU and a bf16 residual stream, in which they write."""
     return hopper_kernels_run_on(x) and x.dtype == torch.bfloat16
 
 

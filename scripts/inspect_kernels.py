@@ -69,12 +69,13 @@ GEMM_KERNELS = {
 FP8_GEMM_KERNELS = {
     "relu2_fp8": gh.RELU2,
     "relu2_grad_fp8": gh.RELU2_GRAD,
+    "rope_norm_fp8": gh.ROPE_NORM,
     "residual_fp8": gh.RESIDUAL,
     "plain_fp8": gh.PLAIN,
 }
 # The products of Hopper alone, each by its inspector: gemm_hopper's epilogues and wgrad_hopper's.
 HOPPER_PRODUCTS = [*GEMM_KERNELS, *FP8_GEMM_KERNELS, "wgrad"]
-FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd", "Part", "WScale"}
+FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd", "RowScale", "Part", "WScale"}
 INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots", "Counter"}
 BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 # Integer arguments that a launch on aligned tensors sees as multiples of 16 (and specialises on).
@@ -307,8 +308,10 @@ def inspect_gemm_kernel(kernel: str, arch: int) -> dict:
         constants |= dict(WScale=None)
     if not rope:
         constants |= dict(Cos=None, Sin=None)
-    if not (rope or scale_rows):
+    if not rope:
         constants |= dict(Rstd=None)
+    if not scale_rows:
+        constants |= dict(RowScale=None)
     sig, constexprs, attrs = _signature(fn, constants, descriptor, aligned_ints={"M", "N", "N2", "K", "K1"})
     source = GluonASTSource(fn, sig, constexprs, attrs)
     options = dict(num_warps=gh.WARPS, maxnreg=gh.MAX_REGISTERS)

@@ -3,7 +3,8 @@
 Public surface (each a PyTorch custom op with autograd and a fake implementation, so torch.compile traces
 through it with fullgraph=True; on the CPU each runs its PyTorch formula):
 - `qkv_rope_norm(x, wq, wk, wv, cos, sin)`: attention's q, k, v with RoPE and the per-head RMSNorm of q and
-  k applied in the product's epilogue (qkv.py); `supported_head_dim(head_dim)` says where it applies.
+  k applied in the product's epilogue (qkv.py); `supported_head_dim(head_dim)` says where it applies;
+  `qkv_rope_norm_fp8`, the same with FP8 products.
 - `relu2_mlp(x, w1, w2)`: the block's MLP, x + relu(rms_norm(x) W1^T)^2 W2^T (mlp.py); `relu2_mlp_fp8`, the
   same with FP8 products.
 - `residual_linear(r, y, w)`: r + y W^T, attention's output projection with the residual added in the
@@ -22,6 +23,7 @@ from kernels.fused.numerics import RMS_EPS
 __all__ = [
     "RMS_EPS",
     "qkv_rope_norm",
+    "qkv_rope_norm_fp8",
     "supported_head_dim",
     "relu2_mlp",
     "relu2_mlp_fp8",
@@ -32,6 +34,7 @@ __all__ = [
 
 _OPERATORS = {
     "qkv_rope_norm": "qkv",
+    "qkv_rope_norm_fp8": "qkv",
     "supported_head_dim": "qkv",
     "relu2_mlp": "mlp",
     "relu2_mlp_fp8": "mlp",

@@ -90,7 +90,7 @@ def _tile(t, n_tiles_n, n_tiles_n1, BM: gl.constexpr, BN: gl.constexpr):
 def _load_partition(args, B_KN: gl.constexpr):
     """One warp: A and B blocks of every tile of this program, slot after slot of the ring."""
     (a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
-     Cos, Sin, Rstd, WScale, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n) = args
+     Cos, Sin, Rstd, RowScale, WScale, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n) = args
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = c_desc.block_type.shape[1]
@@ -153,7 +153,7 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
                    SCALE_ROWS: gl.constexpr, SCALE_W: gl.constexpr, B_KN: gl.constexpr):
     """Warpgroup WG: rows 64 WG .. 64 WG + 63 of each tile, accumulated over K, then the epilogue."""
     (a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free, g_ready,
-     Cos, Sin, Rstd, WScale, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n) = args
+     Cos, Sin, Rstd, RowScale, WScale, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n) = args
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     HALF: gl.constexpr = c_desc.block_type.shape[0]
@@ -198,7 +198,7 @@ def _mma_partition(args, WG: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.
             cos, sin = _rotary_tables(Cos, Sin, r0, M, HALF, HEAD_DIM // 2, rows_layout)
         if SCALE_ROWS:
             rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
-            scale = gl.load(Rstd + rows, mask=rows < M, other=0.0)
+            scale = gl.load(RowScale + rows, mask=rows < M, other=0.0)
         if SCALE_W:
             w_scale = gl.load(WScale)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -250,9 +250,9 @@ def _second_mma_partition(args, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, 
 
 
 @gluon.jit
-def _matmul_kernel(a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Cos, Sin, Rstd, WScale, M, N,
-                   N2, K, K1, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_ROWS: gl.constexpr,
-                   SCALE_W: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr):
+def _matmul_kernel(a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Cos, Sin, Rstd, RowScale,
+                   WScale, M, N, N2, K, K1, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   SCALE_ROWS: gl.constexpr, SCALE_W: gl.constexpr, B_KN: gl.constexpr, STAGES: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -270,7 +270,7 @@ def _matmul_kernel(a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Co
     n_tiles_n = n_tiles_n1 + gl.cdiv(N2, BN)
     n_tiles = gl.cdiv(M, BM) * n_tiles_n
     args = (a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, a_smem, b_smem, c_smem, ready, free,
-            g_ready, Cos, Sin, Rstd, WScale, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n)
+            g_ready, Cos, Sin, Rstd, RowScale, WScale, M, N, N2, K, K1, n_tiles, n_tiles_n1, n_tiles_n)
     gl.warp_specialize([
         (_mma_partition, (args, 0, EPILOGUE, HEAD_DIM, SCALE_ROWS, SCALE_W, B_KN)),
         (_second_mma_partition, (args, EPILOGUE, HEAD_DIM, SCALE_ROWS, SCALE_W, B_KN)),
@@ -345,8 +345,8 @@ def relu2_matmul(
     a = torch.empty(M, N, device=x.device, dtype=_out_dtype(x))
     a_desc, w1_desc = descriptor(a, [BM // 2, BN]), descriptor(w1, [BN, bk])
     _launch(
-        RELU2, descriptor(x, [BM, bk]), w1_desc, w1_desc, a_desc, a_desc, a_desc, M, N, 0, K, rstd=rstd,
-        w_scale=w_scale,
+        RELU2, descriptor(x, [BM, bk]), w1_desc, w1_desc, a_desc, a_desc, a_desc, M, N, 0, K,
+        row_scale=rstd, w_scale=w_scale,
     )
     return a
 
@@ -375,7 +375,7 @@ def relu2_grad_matmul(
     w_desc, dh_desc = descriptor(w2_t, [BN, bk]), descriptor(dh, [BM // 2, BN])
     _launch(
         RELU2_GRAD, descriptor(g, [BM, bk]), w_desc, w_desc, dh_desc, dh_desc, descriptor(a, [BM // 2, BN]),
-        M, N, 0, K, rstd=rstd, w_scale=w_scale,
+        M, N, 0, K, row_scale=rstd, w_scale=w_scale,
     )
     return dh
 
@@ -421,17 +421,26 @@ def scaled_matmul(
     r_desc = c_desc if r is None else descriptor(r, [BM // 2, BN])
     _launch(
         PLAIN if r is None else RESIDUAL, descriptor(a, [BM, bk]), b_desc, b_desc, c_desc, c_desc, r_desc,
-        M, N, 0, K, rstd=row_scale, w_scale=w_scale,
+        M, N, 0, K, row_scale=row_scale, w_scale=w_scale,
     )
     return c
 
 
 def rope_norm_matmul(
-    x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    row_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries and keys from one product: q = rms_norm(rope(x wq^T)) and k likewise with wk, per head of
     head_dim, for x [M, K], wq [Nq, K], wk [Nk, K] and each row's rotary angles cos, sin [M, head_dim / 2]
-    (float32). Also returns each head's 1/rms, float32 [M, (Nq + Nk) / head_dim], queries' heads first."""
+    (float32). Also returns each head's 1/rms, float32 [M, (Nq + Nk) / head_dim], queries' heads first.
+    FP8 x, wq and wk (bf16 q and k) take x's row scales, row_scale (float32 [M]), and the weights' one
+    float32 scale, w_scale: the product is row_scale * w_scale * x w^T before the rotation."""
     (M, K), Nq, Nk = x.shape, wq.shape[0], wk.shape[0]
     if wq.shape[1] != K or wk.shape[1] != K or Nq % head_dim or Nk % head_dim or BN % head_dim:
         raise ValueError(
@@ -442,12 +451,21 @@ def rope_norm_matmul(
         raise ValueError(
             f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: expected float32 [{M}, {head_dim // 2}]"
         )
-    q, k = x.new_empty(M, Nq), x.new_empty(M, Nk)
+    if wk.dtype != wq.dtype or (row_scale is None) != (w_scale is None):
+        raise ValueError(
+            f"wq {wq.dtype}, wk {wk.dtype}, row_scale {row_scale is not None}, w_scale "
+            f"{w_scale is not None}: expected one dtype for the weights, and both scales (FP8) or neither"
+        )
+    _check_rstd(row_scale, M)
+    bk = _k_block(x, wq, w_scale)
+    q = torch.empty(M, Nq, device=x.device, dtype=_out_dtype(x))
+    k = torch.empty(M, Nk, device=x.device, dtype=_out_dtype(x))
     rstd = torch.empty(M, (Nq + Nk) // head_dim, device=x.device, dtype=torch.float32)
     q_desc, k_desc = descriptor(q, [BM // 2, BN]), descriptor(k, [BM // 2, BN])
     _launch(
-        ROPE_NORM, descriptor(x, [BM, BK]), descriptor(wq, [BN, BK]), descriptor(wk, [BN, BK]), q_desc,
+        ROPE_NORM, descriptor(x, [BM, bk]), descriptor(wq, [BN, bk]), descriptor(wk, [BN, bk]), q_desc,
         k_desc, q_desc, M, Nq, Nk, K, cos.contiguous(), sin.contiguous(), rstd, head_dim,
+        row_scale=row_scale, w_scale=w_scale,
     )
     return q, k, rstd
 
@@ -491,17 +509,17 @@ def _kn_product(
 
 def _launch(epilogue: gl.constexpr, a_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, M: int, N: int, N2: int,
             K: int, cos=None, sin=None, rstd=None, head_dim: int = 0, a2_desc=None, K1: int | None = None,
-            b_kn: bool = False, w_scale=None) -> None:
+            b_kn: bool = False, row_scale=None, w_scale=None) -> None:
     """C = epilogue(A B^T) over the columns of B (N) and then of B2 (N2) if any, into C and C2. A's first K1
     columns come from a_desc and the rest from a2_desc, where given (K1 a multiple of BK). B is [N, K], or
-    with b_kn [K, N] (B^T's layout; no B2 then). rstd: written by the q/k product, read (rows' scales, where
-    given) by the MLP's and the FP8 products'. w_scale: B's FP8 scale (one float32), where given."""
+    with b_kn [K, N] (B^T's layout; no B2 then). rstd: each head's 1/rms, written by the q/k product.
+    row_scale: A's rows' scales (float32 [M]: the MLP's 1/rms, FP8 row scales), multiplied into the
+    product before the epilogue, where given. w_scale: B's FP8 scale (one float32), where given."""
     n_tiles = triton.cdiv(M, BM) * (triton.cdiv(N, BN) + triton.cdiv(N2, BN))
     programs = min(n_tiles, torch.cuda.get_device_properties(a_desc.base.device).multi_processor_count)
-    scale_rows = rstd is not None and epilogue.value != ROPE_NORM.value
     _matmul_kernel[(programs,)](
         a_desc, a_desc if a2_desc is None else a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, cos, sin,
-        rstd, w_scale, M, N, N2, K, K if K1 is None else K1,
-        EPILOGUE=epilogue.value, HEAD_DIM=head_dim, SCALE_ROWS=scale_rows, SCALE_W=w_scale is not None,
-        B_KN=b_kn, STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+        rstd, row_scale, w_scale, M, N, N2, K, K if K1 is None else K1,
+        EPILOGUE=epilogue.value, HEAD_DIM=head_dim, SCALE_ROWS=row_scale is not None,
+        SCALE_W=w_scale is not None, B_KN=b_kn, STAGES=STAGES, num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )

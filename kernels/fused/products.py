@@ -31,22 +31,30 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, g2: torch.Tensor | None = None
     return torch.cat([g.t() @ x, g2.t() @ x])
 
 
-def fp8_rows(x: torch.Tensor, with_rstd: bool = False):
-    """(x8, row scale, 1/rms or None): fp8_rows.py on the GPU, the same formula in PyTorch elsewhere."""
+def fp8_rows(x: torch.Tensor, with_rstd: bool = False, x2: torch.Tensor | None = None):
+    """(x8, row scale, 1/rms or None) of x's rows, or with x2 of [x | x2]'s: fp8_rows.py on the GPU, the
+    same formula in PyTorch elsewhere."""
     if x.is_cuda:
         from kernels.fused.fp8_rows import quantize_rows
 
-        return quantize_rows(x, E4M3, with_rstd)
+        return quantize_rows(x, E4M3, with_rstd, x2)
+    if x2 is not None:
+        x = torch.cat([x, x2], dim=1)
     x8, inv = quantize(x, E4M3, dim=-1)
     rstd = torch.rsqrt(x.float().square().mean(dim=-1) + RMS_EPS) if with_rstd else None
     return x8, inv[:, 0] * (1 if rstd is None else rstd), rstd
+
+
+def fp8_on_hopper(t: torch.Tensor) -> bool:
+    """Whether FP8 products of t run as gemm_hopper.py's (a Hopper GPU), else as float32 math."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
 
 
 def fp8_product(a8, row_scale, b8, b_scale, epilogue: str, extra: torch.Tensor | None = None) -> torch.Tensor:
     """row_scale * b_scale * a8 b8^T through `epilogue` (relu2: relu()^2; relu2_grad: times 2 sqrt(extra);
     residual: plus extra; plain), in bf16: gemm_hopper.py's FP8 product on Hopper, float32 math elsewhere."""
     w_scale = b_scale.reshape(1)
-    if a8.is_cuda and torch.cuda.get_device_capability(a8.device)[0] == 9:
+    if fp8_on_hopper(a8):
         from kernels.fused import gemm_hopper as gh
 
         if epilogue == "relu2":

@@ -27,8 +27,8 @@ import torch  # noqa: I001 (kernels.common must come before triton)
 
 # Before triton: without CUDA it switches Triton to the interpreter (see kernels/common.py).
 from kernels.common import check_interpreter
-from kernels.fused.numerics import RMS_EPS, wide
-from kernels.fused.products import on_hopper_product, weight_grad
+from kernels.fused.numerics import E4M3, RMS_EPS, quantize, wide
+from kernels.fused.products import fp8_on_hopper, fp8_product, fp8_rows, on_hopper_product, weight_grad
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -56,12 +56,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def reference_forward(x, wq, wk, cos, sin):
     """(q, k, rstd) as the fused product computes them, in PyTorch (float32 at least inside)."""
+    return _rope_norm(x @ wq.t(), x @ wk.t(), cos, sin)
+
+
+def _rope_norm(hq, hk, cos, sin):
+    """(q, k, rstd) from the products' outputs hq, hk (rounded to their dtype, as the fused product rounds
+    them before its epilogue), rotated and normalised per head in float32 at least."""
     head_dim = 2 * cos.shape[1]
     outs, rstds = [], []
-    for w in (wq, wk):
-        u = _rotate(_heads(x @ w.t(), head_dim).to(wide(x.dtype)), cos[:, None], sin[:, None])
+    for h in (hq, hk):
+        u = _rotate(_heads(h, head_dim).to(wide(h.dtype)), cos[:, None], sin[:, None])
         rstd = torch.rsqrt(u.square().mean(dim=-1) + RMS_EPS)
-        outs.append((u * rstd[..., None]).to(x.dtype).flatten(1))
+        outs.append((u * rstd[..., None]).to(h.dtype).flatten(1))
         rstds.append(rstd)
     return outs[0], outs[1], torch.cat(rstds, dim=1)
 
@@ -204,6 +210,12 @@ def qkv_rope_norm(x, wq, wk, wv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, 
     """q [T, Nq], k [T, Nk] and v [T, Nv] for x [T, C], wq [Nq, C], wk [Nk, C], wv [Nv, C] and each token's
     rotary angles cos, sin [T, head_dim / 2], in x's dtype (the weights are cast to it, as autocast would cast
     them)."""
+    q, k, v, _ = qkv_rope_norm_fwd(*_operands(x, wq, wk, wv, cos, sin))
+    return q, k, v
+
+
+def _operands(x, wq, wk, wv, cos, sin):
+    """The forward operator's arguments (x, w, nq, nk, cos, sin), the shapes checked."""
     T, C = x.shape
     if any(w.shape[1] != C for w in (wq, wk, wv)) or cos.shape != sin.shape or cos.shape[0] != T:
         raise ValueError(
@@ -220,5 +232,87 @@ def qkv_rope_norm(x, wq, wk, wv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, 
     # Cast and stacked once (one kernel when compiled; cast first, so that eager makes no fp32 stack): the
     # backward's products read the stack as it is.
     w = torch.cat([w.to(x.dtype) for w in (wq, wk, wv)])
-    q, k, v, _ = qkv_rope_norm_fwd(x.contiguous(), w, wq.shape[0], wk.shape[0], *angles)
+    return x.contiguous(), w, wq.shape[0], wk.shape[0], *angles
+
+
+# ---- FP8 ------------------------------------------------------------------------------------------------
+# The same with FP8 products for the forward and the input gradient (products.py's fp8_rows, fp8_product):
+# x's rows quantised to e4m3, and in the backward the rows of [dh | dv] (one scale per row across the three
+# outputs' gradients, which one product reads), the stacked weights [Wq; Wk; Wv] per tensor (its transpose
+# for dx). The q/k product applies x's row scale and the weights' scale before the rotation and the norm.
+# The weight gradient is bf16, as above.
+
+
+def _fp8_rope_norm(x8, x_scale, wq8, wk8, w_scale, cos, sin):
+    """(q, k, rstd) from FP8 x8 and weights: gemm_hopper.py's q/k product on Hopper, float32 math
+    elsewhere."""
+    if fp8_on_hopper(x8):
+        from kernels.fused.gemm_hopper import rope_norm_matmul
+
+        return rope_norm_matmul(x8, wq8, wk8, cos, sin, 2 * cos.shape[1], x_scale, w_scale.reshape(1))
+    hq, hk = (fp8_product(x8, x_scale, w8, w_scale, "plain") for w8 in (wq8, wk8))
+    return _rope_norm(hq, hk, cos, sin)
+
+
+@torch.library.custom_op("varlen_gpt::qkv_rope_norm_fp8_fwd", mutates_args=())
+def qkv_rope_norm_fp8_fwd(
+    x: torch.Tensor, w: torch.Tensor, nq: int, nk: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, rstd) as qkv_rope_norm_fwd's, from FP8 products."""
+    x8, x_scale, _ = fp8_rows(x)
+    w8, w_scale = quantize(w, E4M3)
+    q, k, rstd = _fp8_rope_norm(x8, x_scale, w8[:nq], w8[nq : nq + nk], w_scale, cos, sin)
+    return q, k, fp8_product(x8, x_scale, w8[nq + nk :], w_scale, "plain"), rstd
+
+
+@qkv_rope_norm_fp8_fwd.register_fake
+def _(x, w, nq, nk, cos, sin):
+    T = x.shape[0]
+    rstd = x.new_empty(T, (nq + nk) // (2 * cos.shape[1]), dtype=torch.float32)
+    return x.new_empty(T, nq), x.new_empty(T, nk), x.new_empty(T, w.shape[0] - nq - nk), rstd
+
+
+@torch.library.custom_op("varlen_gpt::qkv_rope_norm_fp8_bwd", mutates_args=())
+def qkv_rope_norm_fp8_bwd(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx from an FP8 product over [dh | dv], and the bf16 gradient of w = [Wq; Wk; Wv]."""
+    dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
+    if x.is_cuda:
+        dh = rope_norm_grad(dq, dk, q, k, rstd, cos, sin)
+    else:
+        dh = reference_grad(dq, dk, q, k, rstd, cos, sin)
+    g8, g_scale, _ = fp8_rows(dh, x2=dv)
+    w8, w_scale = quantize(w, E4M3)
+    # One scale holds for the stack and its transpose: the transposed copy is of the FP8 bytes.
+    dx = fp8_product(g8, g_scale, w8.t().contiguous(), w_scale, "plain")
+    return dx, weight_grad(dh, x, dv)
+
+
+@qkv_rope_norm_fp8_bwd.register_fake
+def _(dq, dk, dv, x, w, cos, sin, q, k, rstd):
+    return x.new_empty(x.shape), w.new_empty(w.shape)
+
+
+def _fp8_backward(ctx, dq, dk, dv, drstd):
+    return *qkv_rope_norm_fp8_bwd(dq, dk, dv, *ctx.saved_tensors), None, None, None, None
+
+
+qkv_rope_norm_fp8_fwd.register_autograd(_fp8_backward, setup_context=_setup_context)
+
+
+def qkv_rope_norm_fp8(x, wq, wk, wv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv_rope_norm with FP8 products (see above), for a bf16 x: q, k, v and x's gradient in bf16."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x {x.dtype}: the FP8 q/k/v take a bfloat16 input")
+    q, k, v, _ = qkv_rope_norm_fp8_fwd(*_operands(x, wq, wk, wv, cos, sin))
     return q, k, v

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kernels.fused.mlp import relu2_mlp_fp8
 from kernels.fused.numerics import E4M3, RMS_EPS, quantize
+from kernels.fused.qkv import qkv_rope_norm_fp8
 from kernels.fused.residual import residual_linear_fp8
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -139,4 +140,80 @@ def test_compiled_operators_keep_the_recipe(device):
     assert backend.frame_count == 1
     fn, backend = compiled(residual_linear_fp8)
     check_residual(device, *RESIDUAL_SIZES[device], op=fn)
+    assert backend.frame_count == 1
+
+
+def qkv_inputs(T, C, heads, head_dim, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(T, C, device=device, generator=gen) * torch.rand(T, 1, device=device, generator=gen) * 4
+    wq, wk, wv = (torch.randn(heads * head_dim, C, device=device, generator=gen) * C**-0.5 for _ in range(3))
+    angles = (
+        torch.rand(T, 1, device=device, generator=gen)
+        * 100
+        * torch.logspace(0, -3, head_dim // 2, device=device)
+    )
+    grads = [torch.randn(T, heads * head_dim, device=device, generator=gen) * 1e-3 for _ in range(3)]
+    return x.bfloat16(), wq, wk, wv, angles.cos(), angles.sin(), [g.bfloat16() for g in grads]
+
+
+def rope_then_norm(h, cos, sin, head_dim):
+    """rms_norm(rope(h)) per head of h [T, N], in h's dtype (float64 here)."""
+    u = h.view(h.shape[0], -1, head_dim)
+    u1, u2 = u[..., : head_dim // 2], u[..., head_dim // 2 :]
+    c, s = cos[:, None].double(), sin[:, None].double()
+    u = torch.cat([u1 * c - u2 * s, u1 * s + u2 * c], dim=-1)
+    return (u * torch.rsqrt(u.square().mean(dim=-1, keepdim=True) + RMS_EPS)).flatten(1)
+
+
+def qkv_float64(x, wq, wk, wv, cos, sin, grads, quantised):
+    """(q, k, v, dx, dW of the stack) in float64: of the FP8 recipe (x's rows and the stacked weights
+    quantised, the gradient's input product over the rows of [dh | dv] quantised), or of the exact math."""
+    head_dim = 2 * cos.shape[1]
+    stack = torch.cat([wq, wk, wv])
+    xq, wsq = (rows(x), whole(stack)) if quantised else (x.double(), stack.double())
+    nq, nk = wq.shape[0], wk.shape[0]
+    h = (xq @ wsq[: nq + nk].t()).requires_grad_()
+    q, k = rope_then_norm(h[:, :nq], cos, sin, head_dim), rope_then_norm(h[:, nq:], cos, sin, head_dim)
+    v = xq @ wsq[nq + nk :].t()
+    torch.autograd.backward([q, k], [grads[0].double(), grads[1].double()])
+    joined = torch.cat([h.grad, grads[2].double()], dim=1)
+    dx = (rows(joined) if quantised else joined) @ wsq
+    return q.detach(), k.detach(), v, dx, joined.t() @ x.double()
+
+
+def check_qkv(device, T, C, heads, tolerance, op=qkv_rope_norm_fp8):
+    head_dim = 64 if device == "cpu" else 128
+    x, wq, wk, wv, cos, sin, grads = qkv_inputs(T, C, heads, head_dim, device)
+    leaves = [t.detach().requires_grad_() for t in (x, wq, wk, wv)]
+    q, k, v = op(*leaves, cos, sin)
+    torch.autograd.backward([q, k, v], grads)
+    dw = torch.cat([t.grad for t in leaves[1:]])
+    got = [q.detach(), k.detach(), v.detach(), leaves[0].grad, dw]
+    recipe_ = qkv_float64(x, wq, wk, wv, cos, sin, grads, quantised=True)
+    exact = qkv_float64(x, wq, wk, wv, cos, sin, grads, quantised=False)
+    for name, a, b, c in zip(("q", "k", "v", "dx", "dW"), got, recipe_, exact, strict=True):
+        assert rel_err(a, b) < tolerance, (name, rel_err(a, b))
+        assert rel_err(a, c) < 0.1, (name, rel_err(a, c))
+
+
+def test_qkv_recipe_on_the_cpu():
+    check_qkv("cpu", 96, 128, 2, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+def test_qkv_recipe_on_hopper_at_d20_widths():
+    check_qkv("cuda", 4096, 1280, 10, 2e-2)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs Hopper")]),
+    ],
+)
+def test_compiled_qkv_keeps_the_recipe(device):
+    fn, backend = compiled(qkv_rope_norm_fp8)
+    check_qkv(device, *((4096, 1280, 10, 2e-2) if device == "cuda" else (96, 128, 2, 1e-2)), op=fn)
     assert backend.frame_count == 1

@@ -41,6 +41,19 @@ def test_row_scales_and_rms(dtype, C):
     assert none is None and torch.allclose(plain.double(), want_scale, rtol=1e-6)
 
 
+@pytest.mark.parametrize("widths", [(256, 128), (300, 45)])
+def test_rows_of_two_tensors_are_the_rows_of_their_join(widths):
+    x = rows_of_many_sizes(33, sum(widths))
+    a, b = x[:, : widths[0]].contiguous(), x[:, widths[0] :].contiguous()
+    got = quantize_rows(a, E4M3, x2=b)
+    want = quantize_rows(x, E4M3)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
+    assert torch.allclose(got[1].double(), reference_scales(x, E4M3)[0], rtol=1e-6)
+    with pytest.raises(ValueError, match="x2"):
+        quantize_rows(a, E4M3, x2=b[:-1].contiguous())
+
+
 def test_fp8_and_16_bit_operands_do_not_mix():
     x, w = torch.zeros(128, 64, dtype=torch.bfloat16), torch.zeros(256, 64, dtype=E4M3)
     with pytest.raises(ValueError, match="FP8 products take FP8 operands"):
