@@ -165,14 +165,16 @@ def qkv_rope_norm_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
     rstd: torch.Tensor,
+    fp8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx and the gradient of w = [Wq; Wk; Wv], from dh [T, Nq + Nk] and dv read as one operand."""
+    """dx and the gradient of w = [Wq; Wk; Wv], from dh [T, Nq + Nk] and dv read as one operand; with fp8,
+    dx from an FP8 product (see below) and the weight gradient still bf16."""
     dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
     if x.is_cuda:
         dh = rope_norm_grad(dq, dk, q, k, rstd, cos, sin)
     else:
         dh = reference_grad(dq, dk, q, k, rstd, cos, sin)
-    return _input_grad(dh, dv, w), weight_grad(dh, x, dv)
+    return (_fp8_input_grad if fp8 else _input_grad)(dh, dv, w), weight_grad(dh, x, dv)
 
 
 def _input_grad(dh: torch.Tensor, dv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -186,7 +188,7 @@ def _input_grad(dh: torch.Tensor, dv: torch.Tensor, w: torch.Tensor) -> torch.Te
 
 
 @qkv_rope_norm_bwd.register_fake
-def _(dq, dk, dv, x, w, cos, sin, q, k, rstd):
+def _(dq, dk, dv, x, w, cos, sin, q, k, rstd, fp8):
     return x.new_empty(x.shape), w.new_empty(w.shape)
 
 
@@ -198,7 +200,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dq, dk, dv, drstd):
     # rstd is an output only so that the backward can keep it; nothing downstream differentiates it.
-    return *qkv_rope_norm_bwd(dq, dk, dv, *ctx.saved_tensors), None, None, None, None
+    return *qkv_rope_norm_bwd(dq, dk, dv, *ctx.saved_tensors, False), None, None, None, None
 
 
 # torch's compiled-graph cache does not key on the formula registered here: after changing _backward,
@@ -272,39 +274,16 @@ def _(x, w, nq, nk, cos, sin):
     return x.new_empty(T, nq), x.new_empty(T, nk), x.new_empty(T, w.shape[0] - nq - nk), rstd
 
 
-@torch.library.custom_op("varlen_gpt::qkv_rope_norm_fp8_bwd", mutates_args=())
-def qkv_rope_norm_fp8_bwd(
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    rstd: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx from an FP8 product over [dh | dv], and the bf16 gradient of w = [Wq; Wk; Wv]."""
-    dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
-    if x.is_cuda:
-        dh = rope_norm_grad(dq, dk, q, k, rstd, cos, sin)
-    else:
-        dh = reference_grad(dq, dk, q, k, rstd, cos, sin)
+def _fp8_input_grad(dh: torch.Tensor, dv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[dh | dv] w from FP8: the rows of [dh | dv] quantised without joining them, w per tensor."""
     g8, g_scale, _ = fp8_rows(dh, x2=dv)
     w8, w_scale = quantize(w, E4M3)
     # One scale holds for the stack and its transpose: the transposed copy is of the FP8 bytes.
-    dx = fp8_product(g8, g_scale, w8.t().contiguous(), w_scale, "plain")
-    return dx, weight_grad(dh, x, dv)
-
-
-@qkv_rope_norm_fp8_bwd.register_fake
-def _(dq, dk, dv, x, w, cos, sin, q, k, rstd):
-    return x.new_empty(x.shape), w.new_empty(w.shape)
+    return fp8_product(g8, g_scale, w8.t().contiguous(), w_scale, "plain")
 
 
 def _fp8_backward(ctx, dq, dk, dv, drstd):
-    return *qkv_rope_norm_fp8_bwd(dq, dk, dv, *ctx.saved_tensors), None, None, None, None
+    return *qkv_rope_norm_bwd(dq, dk, dv, *ctx.saved_tensors, True), None, None, None, None
 
 
 qkv_rope_norm_fp8_fwd.register_autograd(_fp8_backward, setup_context=_setup_context)

@@ -24,6 +24,7 @@ DEVICES = [
 ]
 MLP_SIZES = {"cpu": (96, 64, 256, 1e-2), "cuda": (4096, 1280, 5120, 2e-2)}
 RESIDUAL_SIZES = {"cpu": (96, 64, 128, 1e-2), "cuda": (4096, 1280, 1280, 2e-2)}
+QKV_SIZES = {"cpu": (96, 128, 2, 1e-2), "cuda": (4096, 1280, 10, 2e-2)}
 
 
 def inputs(T, C, H, device):
@@ -104,6 +105,13 @@ def test_mlp_recipe(device):
     check(device, *MLP_SIZES[device])
 
 
+def assert_recipe(names, got, recipe_, exact, tolerance):
+    """Each output within tolerance of the recipe's float64 value, and within FP8's rounding of the exact."""
+    for name, a, b, c in zip(names, got, recipe_, exact, strict=True):
+        assert rel_err(a, b) < tolerance, (name, rel_err(a, b))
+        assert rel_err(a, c) < 0.1, (name, rel_err(a, c))
+
+
 def check_residual(device, T, C, K, tolerance, op=residual_linear_fp8):
     gen = torch.Generator(device=device).manual_seed(0)
     r = torch.randn(T, C, device=device, generator=gen).bfloat16()
@@ -121,26 +129,12 @@ def check_residual(device, T, C, K, tolerance, op=residual_linear_fp8):
         g.double() @ w.double(),
         g.double().t() @ y.double(),
     ]
-    for name, a, b, c in zip(("out", "dr", "dy", "dW"), got, recipe_, exact, strict=True):
-        assert rel_err(a, b) < tolerance, (name, rel_err(a, b))
-        assert rel_err(a, c) < 0.1, (name, rel_err(a, c))
+    assert_recipe(("out", "dr", "dy", "dW"), got, recipe_, exact, tolerance)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_residual_recipe(device):
     check_residual(device, *RESIDUAL_SIZES[device])
-
-
-# Compiled as the model compiles them: one frame each, the quantisation and products inside opaque operators
-# (a Triton launch traced by the compiler fails on fake tensors), the same recipe as eager.
-@pytest.mark.parametrize("device", DEVICES)
-def test_compiled_operators_keep_the_recipe(device):
-    fn, backend = compiled(relu2_mlp_fp8)
-    check(device, *MLP_SIZES[device], op=fn)
-    assert backend.frame_count == 1
-    fn, backend = compiled(residual_linear_fp8)
-    check_residual(device, *RESIDUAL_SIZES[device], op=fn)
-    assert backend.frame_count == 1
 
 
 def qkv_inputs(T, C, heads, head_dim, device):
@@ -191,29 +185,24 @@ def check_qkv(device, T, C, heads, tolerance, op=qkv_rope_norm_fp8):
     got = [q.detach(), k.detach(), v.detach(), leaves[0].grad, dw]
     recipe_ = qkv_float64(x, wq, wk, wv, cos, sin, grads, quantised=True)
     exact = qkv_float64(x, wq, wk, wv, cos, sin, grads, quantised=False)
-    for name, a, b, c in zip(("q", "k", "v", "dx", "dW"), got, recipe_, exact, strict=True):
-        assert rel_err(a, b) < tolerance, (name, rel_err(a, b))
-        assert rel_err(a, c) < 0.1, (name, rel_err(a, c))
+    assert_recipe(("q", "k", "v", "dx", "dW"), got, recipe_, exact, tolerance)
 
 
-def test_qkv_recipe_on_the_cpu():
-    check_qkv("cpu", 96, 128, 2, 1e-2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_qkv_recipe(device):
+    check_qkv(device, *QKV_SIZES[device])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-def test_qkv_recipe_on_hopper_at_d20_widths():
-    check_qkv("cuda", 4096, 1280, 10, 2e-2)
-
-
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs Hopper")]),
-    ],
-)
-def test_compiled_qkv_keeps_the_recipe(device):
+# Compiled as the model compiles them: one frame each, the quantisation and products inside opaque operators
+# (a Triton launch traced by the compiler fails on fake tensors), the same recipe as eager.
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_operators_keep_the_recipe(device):
+    fn, backend = compiled(relu2_mlp_fp8)
+    check(device, *MLP_SIZES[device], op=fn)
+    assert backend.frame_count == 1
+    fn, backend = compiled(residual_linear_fp8)
+    check_residual(device, *RESIDUAL_SIZES[device], op=fn)
+    assert backend.frame_count == 1
     fn, backend = compiled(qkv_rope_norm_fp8)
-    check_qkv(device, *((4096, 1280, 10, 2e-2) if device == "cuda" else (96, 128, 2, 1e-2)), op=fn)
+    check_qkv(device, *QKV_SIZES[device], op=fn)
     assert backend.frame_count == 1
