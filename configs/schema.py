@@ -45,8 +45,8 @@ class ModelConfig:
     # kernels/fused/gemm_hopper.py's product (kernels/fused/residual.py); false (or another device) runs
     # cuBLAS's addmm, which copies the stream first.
     fused_residual: bool = True
-    # FP8 matrix products: none, tensorwise or rowwise. On Hopper, tensorwise with fused_mlp and
-    # fused_residual runs those operators' FP8 versions (kernels/fused: rows of the activations and
+    # FP8 matrix products: none, tensorwise or rowwise. On Hopper, tensorwise with fused_rope_norm,
+    # fused_mlp and fused_residual runs those operators' FP8 versions (kernels/fused: rows of the activations and
     # gradients in e4m3, weights per tensor, the scales in the epilogues). Otherwise the MLP and the output
     # projection, and q/k/v where fused_rope_norm's bf16 operator does not run, go through torch._scaled_mm
     # (model/fp8.py), per tensor or per row.
