@@ -46,10 +46,10 @@ class ModelConfig:
     # cuBLAS's addmm, which copies the stream first.
     fused_residual: bool = True
     # FP8 matrix products: none, tensorwise or rowwise. On Hopper, tensorwise with fused_rope_norm,
-    # fused_mlp and fused_residual runs those operators' FP8 versions (kernels/fused: rows of the activations and
-    # gradients in e4m3, weights per tensor, the scales in the epilogues). Otherwise the MLP and the output
-    # projection, and q/k/v where fused_rope_norm's bf16 operator does not run, go through torch._scaled_mm
-    # (model/fp8.py), per tensor or per row.
+    # fused_mlp and fused_residual runs those operators' FP8 versions (kernels/fused: rows of the
+    # activations and gradients in e4m3, weights per tensor, the scales in the epilogues). Otherwise q/k/v
+    # (where fused_rope_norm's bf16 operator does not run), the MLP and the output projection go through
+    # torch._scaled_mm (model/fp8.py), per tensor or per row.
     fp8: str = "none"
 
 
