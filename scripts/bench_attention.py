@@ -4,6 +4,7 @@ torch.nn.attention.varlen.varlen_attn, and SDPA (flash and cuDNN backends) on a 
 
     python scripts/bench_attention.py            # table on stdout and in benchmarks/attention_<device>.json
     python scripts/bench_attention.py --tune     # our kernels only, under each candidate block config
+    python scripts/bench_attention.py --tune --kernels dkdv   # only the dK/dV pass's candidates
     python scripts/bench_attention.py --profile  # CUDA time of each of our kernels
     python scripts/bench_attention.py --window 512   # sliding windows: each query sees its 512 predecessors
 
@@ -66,6 +67,7 @@ def causal_flops(lengths: list[int], heads: int, head_dim: int, window: int = -1
 
 
 WORK = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # in units of the forward's causal_flops
+KERNELS = ("fwd", "dq", "dkdv")  # the passes whose blocks --tune varies (block_sizes.block_config)
 
 
 def make_batch(lengths, heads, head_dim, device="cuda", dtype=torch.bfloat16, seed=0):
@@ -273,9 +275,9 @@ def benchmark(head_dims, mixes, heads, tokens, window: int = -1) -> list[dict]:
     return rows
 
 
-def tune(head_dims, mixes, heads, tokens) -> list[dict]:
-    """Time our forward or backward under candidate block configs, one kernel varied at a time. The mix
-    of long documents varies the last length class of block_config, the others the first."""
+def tune(head_dims, mixes, heads, tokens, kernels=KERNELS) -> list[dict]:
+    """Time our forward or backward under candidate block configs, one kernel of `kernels` varied at a
+    time. The mix of long documents varies the last length class of block_config, the others the first."""
     from kernels.attention import block_sizes
     from kernels.attention.block_sizes import Blocks
 
@@ -302,8 +304,10 @@ def tune(head_dims, mixes, heads, tokens) -> list[dict]:
         "dkdv": [
             Blocks(32, 64, 4, 3),
             Blocks(32, 64, 4, 3, tma),
+            Blocks(32, 64, 8, 3, tma),
             Blocks(32, 128, 4, 3),
             Blocks(32, 128, 4, 3, tma),
+            Blocks(32, 128, 8, 3, tma),
             Blocks(64, 64, 4, 3, tma),
             Blocks(64, 128, 8, 2),
             Blocks(64, 128, 8, 2, tma),
@@ -328,8 +332,8 @@ def tune(head_dims, mixes, heads, tokens) -> list[dict]:
             batch = make_batch(lengths, heads, head_dim)
             flops = causal_flops(lengths, heads, head_dim)
             which = -1 if mix == "c_long" else 0
-            for kernel, configs in candidates.items():
-                for blocks in configs:
+            for kernel in kernels:
+                for blocks in candidates[kernel]:
                     entries = list(default_config(head_dim)[kernel])
                     entries[which] = (entries[which][0], blocks)
                     block_sizes.block_config = lambda d, kernel=kernel, entries=entries: {
@@ -385,6 +389,9 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--tune", action="store_true", help="sweep our block configs instead")
+    parser.add_argument(
+        "--kernels", nargs="+", default=list(KERNELS), choices=KERNELS, help="with --tune: the passes to vary"
+    )
     parser.add_argument("--profile", action="store_true", help="time each of our kernels instead")
     parser.add_argument(
         "--window", type=int, default=-1, help="sliding window: each query sees this many predecessors"
@@ -399,7 +406,7 @@ def main():
     if args.profile:
         return profile(args.head_dims, args.mixes, args.heads, args.tokens)
     if args.tune:
-        rows = tune(args.head_dims, args.mixes, args.heads, args.tokens)
+        rows = tune(args.head_dims, args.mixes, args.heads, args.tokens, args.kernels)
         out = args.out
     else:
         print(TABLE_HEAD)
