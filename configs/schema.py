@@ -49,7 +49,9 @@ class ModelConfig:
     # fused_mlp and fused_residual runs those operators' FP8 versions (kernels/fused: rows of the
     # activations and gradients in e4m3, weights per tensor, the scales in the epilogues). Otherwise q/k/v
     # (where fused_rope_norm's bf16 operator does not run), the MLP and the output projection go through
-    # torch._scaled_mm (model/fp8.py), per tensor or per row.
+    # torch._scaled_mm (model/fp8.py), per tensor or per row. The LM head's three products (its logits and
+    # both gradients) go through torch._scaled_mm in either recipe, a chunk of loss_chunk_tokens at a time:
+    # at d20 they are a tenth of the linear layers' FLOPs. The embedding is a lookup.
     fp8: str = "none"
 
 

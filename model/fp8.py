@@ -7,7 +7,8 @@ per row of each operand along the product's reduction (`rowwise`). The scales ar
 (range 57,344, two mantissa bits) for `tensorwise`; to e4m3 with row scales for `rowwise`, which cuBLAS
 takes only in e4m3. Each operand is quantised along the axis its product reduces; the weights and the
 optimiser states stay as they are. The quantisation is plain PyTorch, which torch.compile fuses into the
-kernels that produce and read the operands.
+kernels that produce and read the operands. `ChunkedLinear` runs the same products chunk by chunk of
+tokens, for the LM head's loss.
 
 Values beyond the format's range after scaling are saturated at its largest finite value. A non-finite
 input makes its scale 0 or NaN and so its product non-finite: the loss shows it at once instead of training
@@ -43,48 +44,87 @@ def _column_major(b: torch.Tensor) -> torch.Tensor:
     return b.t().contiguous().t()
 
 
+def _operands(x: torch.Tensor, w: torch.Tensor, mode: str) -> tuple[torch.Tensor, ...]:
+    """What x W^T and its gradients read in `mode`, x first. `tensorwise`: x and W in e4m3 with their
+    1 / s, one scale per tensor, which holds along either axis, so the backward reuses them. `rowwise`
+    scales along the reduction of each product, which differs between the forward and the backward: x and
+    W as they are, quantised in each product. `none`: x and W in x's dtype."""
+    if mode == "tensorwise":
+        return (*quantize(x, E4M3), *quantize(w, E4M3))
+    return (x, w) if mode == "rowwise" else (x, w.to(x.dtype))
+
+
+def _forward(operands: tuple[torch.Tensor, ...], out_dtype: torch.dtype, mode: str) -> torch.Tensor:
+    """x W^T of `_operands`, in out_dtype."""
+    if mode == "tensorwise":
+        x8, x_inv, w8, w_inv = operands
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype)
+    x, w = operands
+    return _product(x, w, out_dtype, rowwise=True) if mode == "rowwise" else x @ w.t()
+
+
+def _backward(g: torch.Tensor, operands: tuple[torch.Tensor, ...], mode: str):
+    """(g W, g^T x) for the output gradient g of x W^T with `_operands`: g W in g's dtype, g^T x in float32
+    (`tensorwise`), bf16 on CUDA (`rowwise`) or g's dtype (`none`)."""
+    if mode == "tensorwise":
+        x8, x_inv, w8, w_inv = operands
+        g8, g_inv = quantize(g, E5M2)
+        dx = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=g.dtype)
+        dw = torch._scaled_mm(
+            g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
+        )
+        return dx, dw
+    x, w = operands
+    if mode == "none":
+        return g @ w, g.t() @ x
+    # dx = g W reduces over the output features, so W enters as W^T [K, N], quantised along N.
+    dx = _product(g, w.t(), g.dtype, rowwise=True, grad_dtype=E4M3)
+    # dW = g^T x reduces over the tokens; both operands are quantised along them. cuBLAS gives row-scaled
+    # products only in bf16.
+    dw_dtype = torch.bfloat16 if g.is_cuda else torch.float32
+    return dx, _product(g.t(), x.t(), dw_dtype, rowwise=True, grad_dtype=E4M3)
+
+
 class _Linear(torch.autograd.Function):
     """x W^T in FP8, forward and backward. Plain PyTorch ops that torch.compile traces: inductor fuses each
-    quantisation (amax, scale, cast, transposed copy) into the kernels around it.
-
-    `tensorwise` saves the FP8 operands of the forward and their scales for the backward: one scale per
-    tensor holds along either axis, so g8^T x8 and g8 W8 reuse them, and the saved activation is half the
-    bytes of bf16. `rowwise` scales along the reduction of each product, which differs between the forward
-    and the backward, so it saves x and W and quantises them again there."""
+    quantisation (amax, scale, cast, transposed copy) into the kernels around it. `tensorwise` saves the
+    FP8 operands of the forward for the backward: the saved activation is half the bytes of bf16."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        ctx.rowwise, ctx.x_shape, ctx.w_dtype = rowwise, x.shape, w.dtype
-        if rowwise:
-            ctx.save_for_backward(x2, w)
-            y = _product(x2, w, x.dtype, rowwise=True)
-        else:
-            x8, x_inv = quantize(x2, E4M3)
-            w8, w_inv = quantize(w, E4M3)
-            ctx.save_for_backward(x8, x_inv, w8, w_inv)
-            y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
-        return y.view(*x.shape[:-1], w.shape[0])
+        ctx.mode, ctx.x_shape, ctx.w_dtype = mode, x.shape, w.dtype
+        operands = _operands(x2, w, mode)
+        ctx.save_for_backward(*operands)
+        return _forward(operands, x.dtype, mode).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        g2 = g.reshape(-1, g.shape[-1])
-        if ctx.rowwise:
-            x2, w = ctx.saved_tensors
-            # dx = g W reduces over the output features, so W enters as W^T [K, N], quantised along N.
-            dx = _product(g2, w.t(), g.dtype, rowwise=True, grad_dtype=E4M3)
-            # dW = g^T x reduces over the tokens; both operands are quantised along them. cuBLAS gives
-            # row-scaled products only in bf16.
-            dw_dtype = torch.bfloat16 if g.is_cuda else torch.float32
-            dw = _product(g2.t(), x2.t(), dw_dtype, rowwise=True, grad_dtype=E4M3)
-        else:
-            x8, x_inv, w8, w_inv = ctx.saved_tensors
-            g8, g_inv = quantize(g2, E5M2)
-            dx = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=g.dtype)
-            dw = torch._scaled_mm(
-                g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
-            )
+        dx, dw = _backward(g.reshape(-1, g.shape[-1]), ctx.saved_tensors, ctx.mode)
         return dx.view(ctx.x_shape), dw.to(ctx.w_dtype), None
+
+
+class ChunkedLinear:
+    """x W^T of x [T, K] and W [N, K] in `mode`, and its gradients, chunk by chunk of x's rows: the LM head's
+    loss (model/gpt.py's ChunkedCrossEntropy), whose logits [T, N] never exist at once. Each chunk runs
+    _Linear's products on its rows. x and W are quantised once for all chunks (`tensorwise`: one scale
+    each, the whole buffer's, as _Linear's); each chunk's output gradient on its own, as it is all there is
+    of the gradient at a time."""
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, mode: str):
+        self.operands, self.dtype, self.mode = _operands(x, w, mode), x.dtype, mode
+
+    def chunk(self, rows: slice) -> tuple[torch.Tensor, ...]:
+        x, *rest = self.operands
+        return x[rows], *rest
+
+    def forward(self, rows: slice) -> torch.Tensor:
+        """x[rows] W^T in x's dtype."""
+        return _forward(self.chunk(rows), self.dtype, self.mode)
+
+    def backward(self, g: torch.Tensor, rows: slice):
+        """(g W, g^T x[rows]) for the gradient g of forward(rows), in the dtypes of _backward."""
+        return _backward(g, self.chunk(rows), self.mode)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
@@ -93,16 +133,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
         return torch.nn.functional.linear(x, w)
     if torch.is_autocast_enabled(x.device.type):  # as autocast's linear: the output in its dtype (bf16)
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    return _Linear.apply(x, w, mode == "rowwise")
+    return _Linear.apply(x, w, mode)
 
 
-def check_mode(cfg, device: torch.device) -> None:
+def check_mode(cfg, device: torch.device, vocab_size: int) -> None:
     """Refuse, at start-up, an FP8 mode the device cannot run."""
     mode = cfg.fp8
     if mode not in FP8_MODES:
         raise ConfigError(f"model.fp8={mode!r} must be one of {', '.join(FP8_MODES)}")
     if mode == "none" or device.type != "cuda":
         return
+    # cuBLASLt takes FP8 products whose dimensions are multiples of 16; the head's reduce over the
+    # vocabulary and over a chunk's tokens (the buffer's token count is a multiple of data's block size).
+    for key, value in (("data.vocab_size", vocab_size), ("model.loss_chunk_tokens", cfg.loss_chunk_tokens)):
+        if value % 16:
+            raise ConfigError(f"model.fp8={mode} needs {key}={value} to be a multiple of 16 on CUDA")
     if torch.cuda.get_device_capability(device) < (8, 9):
         raise ConfigError(
             f"model.fp8={mode} needs FP8 tensor cores (compute capability 8.9 or later); "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from configs.schema import ConfigError
 from kernels.fused import RMS_EPS
 from model.attention import Attention
-from model.fp8 import linear
+from model.fp8 import ChunkedLinear, linear
 
 
 @dataclass(frozen=True)
@@ -363,6 +363,7 @@ class GPT(nn.Module):
         # Plain floats and ints, not the config object: the compiled forward reads them.
         self.rope_base, self.logit_softcap = float(cfg.rope_base), float(cfg.logit_softcap)
         self.loss_chunk_tokens = int(cfg.loss_chunk_tokens)
+        self.fp8_mode = str(cfg.fp8)  # the head's products', as each block's
         windows = layer_windows(cfg.window_pattern, cfg.short_window, s.n_layer)
         self.attention = Attention(attention, windows, s.head_dim)
         self.wte = nn.Embedding(s.padded_vocab_size, s.n_embd)
@@ -385,6 +386,11 @@ class GPT(nn.Module):
                 nn.init.uniform_(lin.weight, -bound, bound)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
+
+    @property
+    def fp8(self) -> str:
+        """The head's FP8 mode in effect (training_fp8)."""
+        return training_fp8(self.fp8_mode)
 
     def embed(self, input_ids) -> torch.Tensor:
         """The normed embeddings, the start of the residual stream. It runs in autocast's dtype (bf16 on GPU),
@@ -409,7 +415,7 @@ class GPT(nn.Module):
         """Mean cross-entropy over positions with targets >= 0; or, without targets, the logits [T, V]."""
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
         if targets is None:
-            logits = softcap(self.lm_head(h), self.logit_softcap)
+            logits = softcap(linear(h, self.lm_head.weight, self.fp8), self.logit_softcap)
             return logits[:, : self.shape.vocab_size]
         return ChunkedCrossEntropy.apply(
             h,
@@ -418,6 +424,7 @@ class GPT(nn.Module):
             self.logit_softcap,
             self.loss_chunk_tokens,
             self.shape.vocab_size,
+            self.fp8,
         )
 
     @torch.no_grad()
@@ -428,7 +435,7 @@ class GPT(nn.Module):
         chunk, out = self.loss_chunk_tokens, []
         for start in range(0, h.shape[0], chunk):
             hc, tc = h[start : start + chunk], targets[start : start + chunk]
-            out.append(chunk_losses(hc, w, tc, self.logit_softcap)[-1])
+            out.append(chunk_losses(hc @ w.t(), tc, self.logit_softcap)[-1])
         return torch.cat(out)
 
     @torch.no_grad()
@@ -483,17 +490,17 @@ def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
 
-def chunk_losses(h, w, targets, cap: float):
+def chunk_losses(logits, targets, cap: float):
     """Soft-capped logits [n, V] of n tokens, which of them are the targets [n, V], the rows' log-sum-exp
     [n] and each token's loss [n] (0 where targets < 0)."""
-    capped = softcap(h @ w.t(), cap)
+    capped = softcap(logits, cap)
     # Soft-capped logits lie in (-cap, cap): for cap <= 50 their exp stays far inside fp32's range, so the
     # log-sum-exp needs no pass for the row's max.
     lse = capped.exp().sum(dim=-1).log() if 0 < cap <= 50 else capped.logsumexp(dim=-1)
     # The target's logit as a masked sum over the row, which the compiler folds into the log-sum-exp's
     # pass. With a gather, inductor fuses every chunk's gather into one kernel after the last chunk, and
     # all chunks' logits stay alive until then (4.3 GB at d12).
-    is_target = torch.arange(capped.shape[1], device=h.device) == targets[:, None]
+    is_target = torch.arange(capped.shape[1], device=capped.device) == targets[:, None]
     target_logit = torch.where(is_target, capped, 0.0).sum(dim=-1)
     return capped, is_target, lse, torch.where(targets >= 0, lse - target_logit, 0.0)
 
@@ -514,11 +521,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     computes the losses and writes the logits' gradient in h's dtype (kernels/fused/cross_entropy.py).
     Elsewhere the same math runs compiled from PyTorch in two passes over the logits (log-sum-exp, then the
     gradient), also without a [chunk, V] tensor in fp32.
+
+    The head's three products (the logits, and the gradients of h and of the weight) run in `fp8`
+    (model/fp8.py's ChunkedLinear), the mode in effect that GPT.fp8 gives, as the blocks' linear layers do.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, cap: float, chunk: int, vocab_size: int):
-        w = weight[:vocab_size].to(h.dtype)  # padded vocabulary rows can never be predicted
+    def forward(ctx, h, weight, targets, cap: float, chunk: int, vocab_size: int, fp8: str):
+        head = ChunkedLinear(h, weight[:vocab_size], fp8)  # padded vocabulary rows can never be predicted
         n_valid = (targets >= 0).sum().clamp_min(1)
         loss = torch.zeros((), device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
         grad_h = torch.empty_like(h)
@@ -526,11 +536,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         fused = h.is_cuda and h.dtype != torch.float64  # the kernel computes in fp32
         inv_valid = 1.0 / n_valid.float()
         for start in range(0, h.shape[0], chunk):
-            hc, tc = h[start : start + chunk], targets[start : start + chunk]
+            rows = slice(start, start + chunk)
+            logits, tc = head.forward(rows), targets[rows]
             if fused:
-                losses, grad = fused_chunk_loss(hc @ w.t(), tc, inv_valid, max(cap, 0.0))
+                losses, grad = fused_chunk_loss(logits, tc, inv_valid, max(cap, 0.0))
             else:
-                capped, is_target, lse, losses = chunk_losses(hc, w, tc, cap)
+                capped, is_target, lse, losses = chunk_losses(logits, tc, cap)
                 # d(loss)/d(capped) = softmax - onehot(target), then through the soft-cap's tanh; valid
                 # rows only, over n_valid. One pointwise expression, so the compiler fuses it into one pass.
                 grad = torch.exp(capped - lse[:, None]) - is_target.to(capped.dtype)
@@ -538,12 +549,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                     grad = grad * (1.0 - (capped / cap).square())
                 grad = (grad * ((tc >= 0).to(grad.dtype) / n_valid)[:, None]).to(h.dtype)
             loss = loss + losses.sum()
-            grad_h[start : start + chunk] = grad @ w
-            grad_w[:vocab_size] += grad.t() @ hc
+            grad_h[rows], grad_w_chunk = head.backward(grad, rows)
+            grad_w[:vocab_size] += grad_w_chunk
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return loss / n_valid
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None, None

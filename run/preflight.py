@@ -54,7 +54,7 @@ def check_config(cfg, info: DistInfo) -> None:
     if cfg.optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.optim.name!r} must be one of {', '.join(OPTIMIZERS)}")
     GPTShape.from_config(cfg.model, cfg.data.vocab_size)
-    check_fp8(cfg.model, info.device)
+    check_fp8(cfg.model, info.device, cfg.data.vocab_size)
     layer_windows(cfg.model.window_pattern, cfg.model.short_window, cfg.model.depth)
     if cfg.wandb.mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} must be online, offline or disabled")

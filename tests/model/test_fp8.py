@@ -1,5 +1,6 @@
-"""FP8 linear layers (model/fp8.py) against float64 math: the scales, saturation, zeros and non-finite
-inputs, and the products, forward and backward, against an independent float64 rounding to the FP8 grids."""
+"""FP8 linear layers and the LM head's FP8 loss (model/fp8.py) against float64 math: the scales, saturation,
+zeros and non-finite inputs, and the products, forward and backward, against an independent float64
+rounding to the FP8 grids."""
 
 import math
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from configs.schema import ConfigError, ModelConfig
 from kernels.fused.numerics import E4M3, E5M2, cast, quantize, scale
 from model.fp8 import check_mode, linear
-from model.gpt import GPT
+from model.gpt import GPT, ChunkedCrossEntropy, softcap
 
 # (mantissa bits, smallest normal exponent, largest finite value) of each format.
 FORMATS = {E4M3: (3, -6, 448.0), E5M2: (2, -14, 57344.0)}
@@ -109,6 +110,69 @@ def test_products_equal_float64_products_of_the_rounded_operands(mode):
     assert rel(x.grad.reshape(-1, 64), g2.double() @ w_.double()) < (2**-4 if mode == "rowwise" else 2**-3)
 
 
+def reference_head(h, weight, targets, cap: float, chunk: int, vocab_size: int, mode: str):
+    """The head's mean loss and its gradients (h, W) by the recipe, in float64: per chunk, logits of the
+    rounded operands, soft-cap, cross-entropy, the logits' gradient g, and g's two products, of rounded
+    operands. tensorwise rounds h (the whole buffer) and W once, one scale each, and each chunk's g to e5m2
+    with one scale; rowwise rounds each product's operands per row along its reduction, g to e4m3; none
+    rounds nothing."""
+    h, w = h.double(), weight[:vocab_size].double()
+
+    def rounded(x, dtype, dim):
+        return x if mode == "none" else reference_quantize(x, dtype, dim if mode == "rowwise" else None)
+
+    grad_dtype = E5M2 if mode == "tensorwise" else E4M3
+    hq, wq = rounded(h, E4M3, -1), rounded(w, E4M3, -1)
+    valid = targets >= 0
+    n_valid = valid.sum()
+    loss, grad_h, grad_w = 0.0, torch.zeros_like(h), torch.zeros(weight.shape, dtype=torch.float64)
+    for start in range(0, h.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        capped = cap * torch.tanh(hq[rows] @ wq.t() / cap)
+        onehot = F.one_hot(targets[rows].clamp_min(0), vocab_size).double()
+        lse = capped.logsumexp(dim=-1)
+        loss += torch.where(valid[rows], lse - (capped * onehot).sum(dim=-1), 0.0).sum()
+        g = (capped.softmax(dim=-1) - onehot) * (1 - (capped / cap).square()) * valid[rows, None] / n_valid
+        # g W reduces over the vocabulary, g^T h over the chunk's tokens; tensorwise reuses the forward's h.
+        grad_h[rows] = rounded(g, grad_dtype, -1) @ rounded(w.t(), E4M3, -1).t()
+        h_rows = hq[rows] if mode == "tensorwise" else rounded(h[rows].t(), E4M3, -1).t()
+        grad_w[:vocab_size] += rounded(g.t(), grad_dtype, -1) @ h_rows
+    return loss / n_valid, grad_h, grad_w
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_head_loss_and_gradients_follow_the_float64_recipe(mode):
+    """ChunkedCrossEntropy's FP8 products (three chunks, the last a short one) against the recipe in float64.
+    float32 math moves the logits' gradient by about 1e-7, which can carry an odd element across a rounding
+    boundary of the FP8 grid (1e-4 of the weight gradient's norm, the most in 40 seeds): the bound is 1e-3,
+    while FP8's rounding alone moves the gradients by 3e-2 and more."""
+    torch.manual_seed(0)
+    T, d, vocab, padded, cap, chunk = 96, 64, 304, 320, 15.0, 40
+    h = torch.randn(T, d, requires_grad=True)
+    weight = (torch.randn(padded, d) * 0.3).requires_grad_()
+    with torch.no_grad():
+        weight[vocab:] = 100.0  # rows that are never predicted, nor part of the weight's scale
+    targets = torch.randint(0, vocab, (T,))
+    targets[::7] = -1
+    loss = ChunkedCrossEntropy.apply(h, weight, targets, cap, chunk, vocab, mode)
+    loss.backward()
+    ref_loss, ref_h, ref_w = reference_head(h.detach(), weight.detach(), targets, cap, chunk, vocab, mode)
+    assert abs(loss.item() - ref_loss.item()) < 1e-6 * ref_loss.item()
+    assert rel(h.grad, ref_h) < 1e-3
+    assert rel(weight.grad, ref_w) < 1e-3
+    assert not weight.grad[vocab:].any()
+    # The reference's math is the head's: unrounded, it gives the plain head's loss and gradients in
+    # float64 (mode none) ...
+    h64, w64 = h.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    plain = ChunkedCrossEntropy.apply(h64, w64, targets, cap, chunk, vocab, "none")
+    plain.backward()
+    exact = reference_head(h64.detach(), w64.detach(), targets, cap, chunk, vocab, "none")
+    assert abs(plain.item() - exact[0].item()) < 1e-12 * exact[0].item()
+    assert rel(h64.grad, exact[1]) < 1e-12 and rel(w64.grad, exact[2]) < 1e-12
+    # ... which the FP8 rounding moves by far more than the bound.
+    assert rel(ref_h, exact[1]) > 1e-2 and rel(ref_w, exact[2]) > 1e-2
+
+
 def test_mode_none_is_the_plain_linear_layer():
     x, w = torch.randn(16, 32), torch.randn(48, 32)
     assert torch.equal(linear(x, w, "none"), F.linear(x, w))
@@ -116,8 +180,12 @@ def test_mode_none_is_the_plain_linear_layer():
 
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="model.fp8='e4m3' must be one of none, tensorwise, rowwise"):
-        check_mode(ModelConfig(fp8="e4m3"), torch.device("cpu"))
-    check_mode(ModelConfig(fp8="tensorwise"), torch.device("cpu"))  # CPU runs _scaled_mm for tests
+        check_mode(ModelConfig(fp8="e4m3"), torch.device("cpu"), 32768)
+    check_mode(ModelConfig(fp8="tensorwise"), torch.device("cpu"), 97)  # CPU runs _scaled_mm for tests
+    with pytest.raises(ConfigError, match="model.fp8=rowwise needs data.vocab_size=50257 to be a multiple"):
+        check_mode(ModelConfig(fp8="rowwise"), torch.device("cuda"), 50257)
+    with pytest.raises(ConfigError, match="needs model.loss_chunk_tokens=1000 to be a multiple of 16"):
+        check_mode(ModelConfig(fp8="tensorwise", loss_chunk_tokens=1000), torch.device("cuda"), 32768)
 
 
 def test_fp8_model_trains_like_the_float32_one():
@@ -146,8 +214,9 @@ def test_fp8_model_trains_like_the_float32_one():
 
 def test_fp8_is_for_training_and_evaluation_runs_the_bf16_products():
     """With autograd off (evaluation, sampling) an FP8 model's per-token losses are the bf16 model's with the
-    same weights, bit for bit, compiled as train.py compiles its evaluation; with autograd on, its loss is
-    FP8's. Training then evaluating compiles each function once."""
+    same weights, bit for bit, compiled as train.py compiles its evaluation, and so are its loss and logits;
+    with autograd on, its loss is FP8's, the head's products included. Training then evaluating compiles
+    each function once."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     cfg = dict(depth=2, head_dim=16, aspect_ratio=32, loss_chunk_tokens=64)
@@ -182,6 +251,14 @@ def test_fp8_is_for_training_and_evaluation_runs_the_bf16_products():
         and abs(fp8_loss.item() - bf16_loss.item()) < 0.05 * bf16_loss.item()
     )
     assert train_backend.frame_count == 1 and eval_backend.frame_count == 1
+    h, w, cap = fp8.hidden_states(ids, pos, cu, 128), fp8.lm_head.weight, fp8.logit_softcap
+    loss = fp8(ids, pos, cu, 128, targets)
+    assert torch.equal(loss, ChunkedCrossEntropy.apply(h, w, targets, cap, 64, 97, "tensorwise"))
+    assert not torch.equal(loss, ChunkedCrossEntropy.apply(h, w, targets, cap, 64, 97, "none"))
+    assert torch.equal(fp8(ids, pos, cu, 128), softcap(linear(h, w, "tensorwise"), cap)[:, :97])
+    with torch.no_grad():
+        assert torch.equal(fp8(ids, pos, cu, 128, targets), models["none"](ids, pos, cu, 128, targets))
+        assert torch.equal(fp8(ids, pos, cu, 128), models["none"](ids, pos, cu, 128))
 
 
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
