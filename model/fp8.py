@@ -63,17 +63,22 @@ def _forward(operands: tuple[torch.Tensor, ...], out_dtype: torch.dtype, mode: s
     return _product(x, w, out_dtype, rowwise=True) if mode == "rowwise" else x @ w.t()
 
 
+def _tensorwise_backward(g8, g_inv, operands: tuple[torch.Tensor, ...], dx_dtype: torch.dtype):
+    """(g W, g^T x) for g in e5m2 (g8, with its 1 / s) and tensorwise `_operands`: g W in dx_dtype, g^T x in
+    float32."""
+    x8, x_inv, w8, w_inv = operands
+    dx = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=dx_dtype)
+    dw = torch._scaled_mm(
+        g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
+    )
+    return dx, dw
+
+
 def _backward(g: torch.Tensor, operands: tuple[torch.Tensor, ...], mode: str):
     """(g W, g^T x) for the output gradient g of x W^T with `_operands`: g W in g's dtype, g^T x in float32
     (`tensorwise`), bf16 on CUDA (`rowwise`) or g's dtype (`none`)."""
     if mode == "tensorwise":
-        x8, x_inv, w8, w_inv = operands
-        g8, g_inv = quantize(g, E5M2)
-        dx = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=g.dtype)
-        dw = torch._scaled_mm(
-            g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
-        )
-        return dx, dw
+        return _tensorwise_backward(*quantize(g, E5M2), operands, g.dtype)
     x, w = operands
     if mode == "none":
         return g @ w, g.t() @ x
@@ -109,7 +114,7 @@ class ChunkedLinear:
     loss (model/gpt.py's ChunkedCrossEntropy), whose logits [T, N] never exist at once. Each chunk runs
     _Linear's products on its rows. x and W are quantised once for all chunks (`tensorwise`: one scale
     each, the whole buffer's, as _Linear's); each chunk's output gradient on its own, as it is all there is
-    of the gradient at a time."""
+    of the gradient at a time, or by its caller (backward's g_inv)."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, mode: str):
         self.operands, self.dtype, self.mode = _operands(x, w, mode), x.dtype, mode
@@ -122,8 +127,12 @@ class ChunkedLinear:
         """x[rows] W^T in x's dtype."""
         return _forward(self.chunk(rows), self.dtype, self.mode)
 
-    def backward(self, g: torch.Tensor, rows: slice):
-        """(g W, g^T x[rows]) for the gradient g of forward(rows), in the dtypes of _backward."""
+    def backward(self, g: torch.Tensor, rows: slice, g_inv: torch.Tensor | None = None):
+        """(g W, g^T x[rows]) for the gradient g of forward(rows), in the dtypes of _backward. With g_inv
+        (`tensorwise`), g is already in e5m2 and g_inv its 1 / s: a gradient whose bound is known before it
+        is computed can be written in FP8 by the pass that computes it."""
+        if g_inv is not None:
+            return _tensorwise_backward(g, g_inv, self.chunk(rows), self.dtype)
         return _backward(g, self.chunk(rows), self.mode)
 
 

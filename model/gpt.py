@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from configs.schema import ConfigError
 from kernels.fused import RMS_EPS
+from kernels.fused.numerics import E5M2
 from model.attention import Attention
 from model.fp8 import ChunkedLinear, linear
 
@@ -505,11 +506,11 @@ def chunk_losses(logits, targets, cap: float):
     return capped, is_target, lse, torch.where(targets >= 0, lse - target_logit, 0.0)
 
 
-def fused_chunk_loss(logits, targets, scale, cap: float):
+def fused_chunk_loss(logits, targets, scale, cap: float, grad_dtype: torch.dtype):
     """Losses and scaled gradient of a chunk in one Triton pass (imported here: CPU runs need no Triton)."""
     from kernels.fused import softcap_cross_entropy
 
-    return softcap_cross_entropy(logits, targets, scale, cap)
+    return softcap_cross_entropy(logits, targets, scale, cap, grad_dtype)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -518,7 +519,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     The logits of the whole buffer ([T, V]: 4.3 GB in bf16 at T=65,536, V=32,768) never exist at once: each
     chunk's gradient with respect to h and to the head weight is computed in the forward pass, right after
     its loss, and the backward only scales the stored gradients. On CUDA one Triton kernel per chunk
-    computes the losses and writes the logits' gradient in h's dtype (kernels/fused/cross_entropy.py).
+    computes the losses and writes the logits' gradient in h's dtype, or e5m2 under tensorwise FP8
+    (kernels/fused/cross_entropy.py).
     Elsewhere the same math runs compiled from PyTorch in two passes over the logits (log-sum-exp, then the
     gradient), also without a [chunk, V] tensor in fp32.
 
@@ -535,11 +537,19 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, device=h.device, dtype=loss.dtype)
         fused = h.is_cuda and h.dtype != torch.float64  # the kernel computes in fp32
         inv_valid = 1.0 / n_valid.float()
+        # Each element of a row's gradient, a softmax minus a one-hot through the soft-cap's tanh' <= 1, lies
+        # within 1 / n_valid. Under tensorwise that bound is the gradient's e5m2 scale, so the pass that
+        # computes the gradient writes it in e5m2, with no amax pass and no bf16 copy. The bound is about
+        # what an amax would find: in a chunk some token gives its target a small probability.
+        fp8_grad = fp8 == "tensorwise"
+        top = torch.finfo(E5M2).max
+        grad_dtype, grad_scale = (E5M2, torch.full_like(inv_valid, top)) if fp8_grad else (h.dtype, inv_valid)
+        grad_inv = inv_valid / top if fp8_grad else None
         for start in range(0, h.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits, tc = head.forward(rows), targets[rows]
             if fused:
-                losses, grad = fused_chunk_loss(logits, tc, inv_valid, max(cap, 0.0))
+                losses, grad = fused_chunk_loss(logits, tc, grad_scale, max(cap, 0.0), grad_dtype)
             else:
                 capped, is_target, lse, losses = chunk_losses(logits, tc, cap)
                 # d(loss)/d(capped) = softmax - onehot(target), then through the soft-cap's tanh; valid
@@ -547,9 +557,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 grad = torch.exp(capped - lse[:, None]) - is_target.to(capped.dtype)
                 if cap > 0:
                     grad = grad * (1.0 - (capped / cap).square())
-                grad = (grad * ((tc >= 0).to(grad.dtype) / n_valid)[:, None]).to(h.dtype)
+                valid = (tc >= 0).to(grad.dtype)
+                grad = (grad * (valid * top if fp8_grad else valid / n_valid)[:, None]).to(grad_dtype)
             loss = loss + losses.sum()
-            grad_h[rows], grad_w_chunk = head.backward(grad, rows)
+            grad_h[rows], grad_w_chunk = head.backward(grad, rows, grad_inv)
             grad_w[:vocab_size] += grad_w_chunk
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return loss / n_valid

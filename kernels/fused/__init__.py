@@ -9,8 +9,8 @@ through it with fullgraph=True; on the CPU each runs its PyTorch formula):
   same with FP8 products.
 - `residual_linear(r, y, w)`: r + y W^T, attention's output projection with the residual added in the
   product's epilogue (residual.py); `residual_linear_fp8`, the same with FP8 products.
-- `softcap_cross_entropy(logits, targets, scale, cap)`: the soft-capped loss and its gradient in one
-  kernel (cross_entropy.py).
+- `softcap_cross_entropy(logits, targets, scale, cap, grad_dtype)`: the soft-capped loss and its gradient
+  (in bf16, or e5m2 for the FP8 head) in one kernel (cross_entropy.py).
 - `RMS_EPS`: the RMSNorm epsilon that the model and the operators share (numerics.py).
 
 Internal: gemm_hopper.py (the Gluon GEMM with epilogues), wgrad_hopper.py (the stream-K weight-gradient

@@ -30,6 +30,7 @@ import triton.language as tl  # noqa: E402
 # PTX's tanh: compiled code on NVIDIA GPUs only.
 PTX_TANH = not INTERPRET and torch.version.hip is None
 
+
 class RowBlocks(NamedTuple):
     cols: int  # logits per loop step
     warps: int
@@ -69,8 +70,20 @@ def _load_capped(row_ptr, cols, V, cap, CAP: tl.constexpr, PTX: tl.constexpr, EV
 
 @triton.jit
 def _softcap_ce_kernel(
-    logits, grad, targets, losses, scale, stride_l, stride_g, V, cap, CAP: tl.constexpr,
-    ROW_MAX: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr, EVEN: tl.constexpr,
+    logits,
+    grad,
+    targets,
+    losses,
+    scale,
+    stride_l,
+    stride_g,
+    V,
+    cap,
+    CAP: tl.constexpr,
+    ROW_MAX: tl.constexpr,
+    PTX: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     logits += row * stride_l
@@ -119,27 +132,42 @@ def _softcap_ce_kernel(
 
 @torch.library.custom_op("varlen_gpt::softcap_cross_entropy", mutates_args=())
 def softcap_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, cap: float
+    logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, cap: float, grad_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(losses [n] float32, grad [n, V] in logits' dtype) for logits [n, V] (last dim contiguous),
-    targets [n] (int, < 0 for none), scale a 0-d float32 tensor (on the device: no host sync) and
-    cap > 0, or 0 for no soft-cap. See the module docstring."""
+    """(losses [n] float32, grad [n, V] in grad_dtype) for logits [n, V] (last dim contiguous), targets [n]
+    (int, < 0 for none), scale a 0-d float32 tensor (on the device: no host sync) and cap > 0, or 0 for no
+    soft-cap. See the module docstring. grad_dtype may be an FP8 format, with `scale` putting the gradient
+    inside its range: each value is rounded once, from float32."""
     check_interpreter()
     n, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    grad = logits.new_empty(logits.shape)
+    grad = logits.new_empty(logits.shape, dtype=grad_dtype)
     losses = torch.empty(n, dtype=torch.float32, device=logits.device)
     blocks = row_blocks(V)
     if n:
         _softcap_ce_kernel[(n,)](
-            logits, grad, targets, losses, scale, logits.stride(0), grad.stride(0), V, cap, CAP=cap > 0,
-            ROW_MAX=not 0 < cap <= 50, PTX=PTX_TANH, BLOCK_V=blocks.cols, EVEN=V % blocks.cols == 0,
+            logits,
+            grad,
+            targets,
+            losses,
+            scale,
+            logits.stride(0),
+            grad.stride(0),
+            V,
+            cap,
+            CAP=cap > 0,
+            ROW_MAX=not 0 < cap <= 50,
+            PTX=PTX_TANH,
+            BLOCK_V=blocks.cols,
+            EVEN=V % blocks.cols == 0,
             num_warps=blocks.warps,
         )
     return losses, grad
 
 
 @softcap_cross_entropy.register_fake
-def _(logits, targets, scale, cap):
-    return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape)
+def _(logits, targets, scale, cap, grad_dtype):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(
+        logits.shape, dtype=grad_dtype
+    )

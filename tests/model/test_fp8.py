@@ -113,15 +113,15 @@ def test_products_equal_float64_products_of_the_rounded_operands(mode):
 def reference_head(h, weight, targets, cap: float, chunk: int, vocab_size: int, mode: str):
     """The head's mean loss and its gradients (h, W) by the recipe, in float64: per chunk, logits of the
     rounded operands, soft-cap, cross-entropy, the logits' gradient g, and g's two products, of rounded
-    operands. tensorwise rounds h (the whole buffer) and W once, one scale each, and each chunk's g to e5m2
-    with one scale; rowwise rounds each product's operands per row along its reduction, g to e4m3; none
-    rounds nothing."""
+    operands. tensorwise rounds h (the whole buffer) and W once, one scale each, and g to e5m2 with the
+    scale of its bound: every element of g lies within 1 / n_valid, which goes to e5m2's largest value;
+    rowwise rounds each product's operands per row along its reduction, g to e4m3; none rounds nothing."""
     h, w = h.double(), weight[:vocab_size].double()
 
     def rounded(x, dtype, dim):
         return x if mode == "none" else reference_quantize(x, dtype, dim if mode == "rowwise" else None)
 
-    grad_dtype = E5M2 if mode == "tensorwise" else E4M3
+    grad_dtype = E4M3  # rowwise's
     hq, wq = rounded(h, E4M3, -1), rounded(w, E4M3, -1)
     valid = targets >= 0
     n_valid = valid.sum()
@@ -134,9 +134,14 @@ def reference_head(h, weight, targets, cap: float, chunk: int, vocab_size: int, 
         loss += torch.where(valid[rows], lse - (capped * onehot).sum(dim=-1), 0.0).sum()
         g = (capped.softmax(dim=-1) - onehot) * (1 - (capped / cap).square()) * valid[rows, None] / n_valid
         # g W reduces over the vocabulary, g^T h over the chunk's tokens; tensorwise reuses the forward's h.
+        if mode == "tensorwise":
+            top = FORMATS[E5M2][2]
+            gq = round_to_grid((g * n_valid * top).float().double(), E5M2) / (n_valid * top)
+            grad_h[rows] = gq @ wq
+            grad_w[:vocab_size] += gq.t() @ hq[rows]
+            continue
         grad_h[rows] = rounded(g, grad_dtype, -1) @ rounded(w.t(), E4M3, -1).t()
-        h_rows = hq[rows] if mode == "tensorwise" else rounded(h[rows].t(), E4M3, -1).t()
-        grad_w[:vocab_size] += rounded(g.t(), grad_dtype, -1) @ h_rows
+        grad_w[:vocab_size] += rounded(g.t(), grad_dtype, -1) @ rounded(h[rows].t(), E4M3, -1).t()
     return loss / n_valid, grad_h, grad_w
 
 

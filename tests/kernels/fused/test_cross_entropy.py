@@ -51,7 +51,7 @@ def test_losses_and_gradient_match_float64(dtype, n, V, cap, spread):
     targets[1] = V - 1  # the last column, next to the padding of the row's block
     scale = 1.0 / 7
     losses, grad = softcap_cross_entropy(
-        logits.to(DEVICE), targets.to(DEVICE), torch.tensor(scale, device=DEVICE), cap
+        logits.to(DEVICE), targets.to(DEVICE), torch.tensor(scale, device=DEVICE), cap, dtype
     )
     ref_losses, ref_grad = reference(logits, targets, scale, cap)
     assert losses.dtype == torch.float32 and grad.dtype == dtype and grad.shape == logits.shape
@@ -60,12 +60,45 @@ def test_losses_and_gradient_match_float64(dtype, n, V, cap, spread):
     assert (losses.cpu()[targets < 0] == 0).all() and (grad.cpu()[targets < 0] == 0).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the interpreter's FP8 casts round wrongly)"
+)
+@pytest.mark.parametrize(("cap", "spread"), [(15.0, 4.0), (0.0, 30.0)])
+def test_gradient_in_e5m2_is_the_float32_gradient_rounded_once(cap, spread):
+    """grad_dtype e5m2 with scale = its largest value: every element of the gradient lies within 1 (a
+    softmax minus a one-hot, through tanh' <= 1), so the scaled gradient fits the format, and each element
+    is the float32 gradient rounded to e5m2 once. The reference rounds the float64 gradient with torch's
+    cast; the kernel's float32 math (tanh.approx on the GPU) may move an element across a rounding
+    boundary, by one grid step."""
+    e5m2 = torch.float8_e5m2
+    top = torch.finfo(e5m2).max
+    gen = torch.Generator().manual_seed(3)
+    n, V = 24, 300
+    logits = torch.randn(n, V, generator=gen) * spread
+    targets = torch.randint(0, V, (n,), generator=gen)
+    targets[::5] = -1
+    losses, grad = softcap_cross_entropy(
+        logits.cuda(), targets.cuda(), torch.tensor(top, device="cuda"), cap, e5m2
+    )
+    ref_losses, ref_grad = reference(logits, targets, top, cap)
+    assert grad.dtype == e5m2 and rel_err(losses.cpu(), ref_losses) < TOL[torch.float32]
+    got, want = grad.cpu().double(), ref_grad.float().to(e5m2).double()
+    assert got.isfinite().all() and got.abs().max() <= top
+    # One e5m2 step (2 mantissa bits) at each element's magnitude.
+    step = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2.0**-16))) - 2)
+    assert ((got - want).abs() <= step).all()
+    assert (got == want).double().mean() > 0.98
+    # The rounding is e5m2's, not a finer format's: it moves the gradient by percents.
+    assert rel_err(got, ref_grad) > 1e-2 and (got[targets < 0] == 0).all()
+
+
 @pytest.mark.parametrize("layout", ["rows 128 apart", "columns 2 apart"])
 def test_strided_logits_and_empty_input(layout):
     logits = torch.randn(12, 2, 64)[:, 0] if layout == "rows 128 apart" else torch.randn(12, 64, 2)[..., 0]
     targets = torch.randint(0, 64, (12,))
     losses, grad = softcap_cross_entropy(
-        logits.to(DEVICE), targets.to(DEVICE), torch.tensor(1.0, device=DEVICE), 15.0
+        logits.to(DEVICE), targets.to(DEVICE), torch.tensor(1.0, device=DEVICE), 15.0, logits.dtype
     )
     ref_losses, ref_grad = reference(logits, targets, 1.0, 15.0)
     assert rel_err(losses.cpu(), ref_losses) < TOL[torch.float32]
@@ -75,6 +108,7 @@ def test_strided_logits_and_empty_input(layout):
         torch.empty(0, dtype=torch.long, device=DEVICE),
         torch.tensor(1.0, device=DEVICE),
         15.0,
+        torch.float32,
     )
     assert losses.shape == (0,) and grad.shape == (0, 64)
 
@@ -89,7 +123,7 @@ def test_fused_cross_entropy_at_training_size():
     targets = torch.randint(0, V, (n,), device="cuda", generator=gen)
     targets[::7] = -1
     scale = 1.0 / (targets >= 0).sum().double()
-    losses, grad = softcap_cross_entropy(logits, targets, scale.float(), 15.0)
+    losses, grad = softcap_cross_entropy(logits, targets, scale.float(), 15.0, logits.dtype)
     z = logits.double().requires_grad_()
     c = 15.0 * torch.tanh(z / 15.0)
     picked = c.gather(1, targets.clamp_min(0)[:, None])[:, 0]
