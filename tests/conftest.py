@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # (torch._dynamo included) imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Inductor caches compiled graphs across processes (by default in one directory per user), and a cached
+# graph calls a custom operator by the name and signature it had when it was cached: a changed operator
+# would meet graphs compiled for its old self. So each test session, and the train.py processes it
+# starts, compile into a directory of their own.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="package")
