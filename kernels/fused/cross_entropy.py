@@ -30,7 +30,6 @@ import triton.language as tl  # noqa: E402
 # PTX's tanh: compiled code on NVIDIA GPUs only.
 PTX_TANH = not INTERPRET and torch.version.hip is None
 
-
 class RowBlocks(NamedTuple):
     cols: int  # logits per loop step
     warps: int
@@ -70,20 +69,8 @@ def _load_capped(row_ptr, cols, V, cap, CAP: tl.constexpr, PTX: tl.constexpr, EV
 
 @triton.jit
 def _softcap_ce_kernel(
-    logits,
-    grad,
-    targets,
-    losses,
-    scale,
-    stride_l,
-    stride_g,
-    V,
-    cap,
-    CAP: tl.constexpr,
-    ROW_MAX: tl.constexpr,
-    PTX: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    EVEN: tl.constexpr,
+    logits, grad, targets, losses, scale, stride_l, stride_g, V, cap, CAP: tl.constexpr,
+    ROW_MAX: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr, EVEN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     logits += row * stride_l
@@ -147,20 +134,8 @@ def softcap_cross_entropy(
     blocks = row_blocks(V)
     if n:
         _softcap_ce_kernel[(n,)](
-            logits,
-            grad,
-            targets,
-            losses,
-            scale,
-            logits.stride(0),
-            grad.stride(0),
-            V,
-            cap,
-            CAP=cap > 0,
-            ROW_MAX=not 0 < cap <= 50,
-            PTX=PTX_TANH,
-            BLOCK_V=blocks.cols,
-            EVEN=V % blocks.cols == 0,
+            logits, grad, targets, losses, scale, logits.stride(0), grad.stride(0), V, cap, CAP=cap > 0,
+            ROW_MAX=not 0 < cap <= 50, PTX=PTX_TANH, BLOCK_V=blocks.cols, EVEN=V % blocks.cols == 0,
             num_warps=blocks.warps,
         )
     return losses, grad
@@ -168,6 +143,5 @@ def softcap_cross_entropy(
 
 @softcap_cross_entropy.register_fake
 def _(logits, targets, scale, cap, grad_dtype):
-    return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(
-        logits.shape, dtype=grad_dtype
-    )
+    losses = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return losses, logits.new_empty(logits.shape, dtype=grad_dtype)
