@@ -67,7 +67,7 @@ def baseline(rows: dict, model: str, mode: str) -> dict | None:
 
 
 def ratio(per_gpu: float, base: dict | None) -> str:
-    return f"{per_gpu / base['tokens_per_s']:.1%}" if base else "-"
+    return f"{per_gpu / base['tokens_per_s_per_rank']:.1%}" if base else "-"
 
 
 def communication(row: dict) -> str:

@@ -49,8 +49,9 @@ def test_table_from_the_files(tmp_path):
         # 950 per GPU over ddp's 1,000 on one GPU; NCCL 11.2 ms, 2.6 ms exposed.
         "| d12 | `ddp` | 2 | 1,900 | 950 | 95.0% / 95.0% | 50.0% / 40.0% | 10.0 | 2.00 "
         "| 11 ms, 2.6 ms (0.2%) |",
-        # fsdp has no one-GPU row: its fewest GPUs are 2 (850 over 1,700), and against ddp 850 over 1,000.
-        "| d12 | `fsdp` | 2 | 1,700 | 850 | 50.0% / 85.0% | 50.0% / 40.0% | 10.0 | 2.00 "
+        # fsdp has no one-GPU row: its fewest GPUs are 2, per GPU 850 over its own 850, and against ddp's
+        # one GPU 850 over 1,000.
+        "| d12 | `fsdp` | 2 | 1,700 | 850 | 100.0% / 85.0% | 50.0% / 40.0% | 10.0 | 2.00 "
         # every rank's exposed time recorded: the least and the most
         "| 11 ms, 2.6 ms (0.2%); ranks 1.1-2.6 ms |",
     ]
