@@ -125,8 +125,17 @@ def parallelize(
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         # The gradients are views into DDP's buckets rather than a second copy beside them: one fp32
         # gradient of the model less per rank, with the same arithmetic.
+        # Buckets fixed at construction: left to itself, DDP reduces the first step after it is built in one
+        # bucket and then regroups the gradients in the order the backward made them. On three ranks or
+        # more, where an element sits in a bucket decides the order its ranks' terms are summed in, so the
+        # first step after a resume would not hold the uninterrupted run's bits. Looking for unused
+        # parameters is what keeps DDP from regrouping; the search walks the autograd graph once per step.
         ddp = DistributedDataParallel(
-            wrap(model), device_ids=device_ids, gradient_as_bucket_view=True, bucket_cap_mb=ddp_bucket_mb
+            wrap(model),
+            device_ids=device_ids,
+            gradient_as_bucket_view=True,
+            bucket_cap_mb=ddp_bucket_mb,
+            find_unused_parameters=True,
         )
         return Parallel(mode, model, ddp, wrap(model.token_losses), ddp)
     cuda = info.device.type == "cuda"

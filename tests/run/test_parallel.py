@@ -239,6 +239,15 @@ def test_resume_with_the_same_ranks_and_mode_is_bitwise(runs, tmp_path, corpus, 
     assert_same_run(run_dir, runs.get(2, mode), STEPS)
 
 
+def test_resume_on_four_ranks_is_bitwise(runs, tmp_path, corpus):
+    """Four ranks, where the order in which the ranks' terms are summed depends on where each gradient sits
+    in DDP's buckets: the resumed run's first step reduces in the buckets of the uninterrupted run's."""
+    run_dir = runs.copy(tmp_path / "run", 4, "zero", HALF, 1024)
+    proc = train(corpus, run_dir, 4, "zero", STEPS, 1024)
+    assert resumed_line(proc, run_dir, HALF, 4, "zero"), proc.stdout
+    assert_same_run(run_dir, runs.get(4, "zero", STEPS, 1024), STEPS)
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_background_saves_write_the_same_checkpoints_and_the_same_run(runs, mode):
     """async_save=true: checkpoints written by a thread while training goes on hold the same bits as the
