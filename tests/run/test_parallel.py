@@ -239,13 +239,15 @@ def test_resume_with_the_same_ranks_and_mode_is_bitwise(runs, tmp_path, corpus, 
     assert_same_run(run_dir, runs.get(2, mode), STEPS)
 
 
-def test_resume_on_four_ranks_is_bitwise(runs, tmp_path, corpus):
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_resume_on_four_ranks_is_bitwise(runs, tmp_path, corpus, mode):
     """Four ranks, where the order in which the ranks' terms are summed depends on where each gradient sits
-    in DDP's buckets: the resumed run's first step reduces in the buckets of the uninterrupted run's."""
-    run_dir = runs.copy(tmp_path / "run", 4, "zero", HALF, 1024)
-    proc = train(corpus, run_dir, 4, "zero", STEPS, 1024)
-    assert resumed_line(proc, run_dir, HALF, 4, "zero"), proc.stdout
-    assert_same_run(run_dir, runs.get(4, "zero", STEPS, 1024), STEPS)
+    in the buffer reduced: under `zero` (DDP's buckets) the resumed run's first step reduces in the
+    uninterrupted run's buckets, and under `fsdp` each block's reduce-scatter keeps its layout."""
+    run_dir = runs.copy(tmp_path / "run", 4, mode, HALF, 1024)
+    proc = train(corpus, run_dir, 4, mode, STEPS, 1024)
+    assert resumed_line(proc, run_dir, HALF, 4, mode), proc.stdout
+    assert_same_run(run_dir, runs.get(4, mode, STEPS, 1024), STEPS)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
