@@ -3,9 +3,10 @@ and gives the loop its functions; `model_state` and `load_model_state` move the 
 out of checkpoints by parameter name, whatever the mode and the number of ranks.
 
 - `ddp`: DistributedDataParallel around the whole model, compiled as one graph. Dynamo's DDP optimiser
-  splits that graph's backward at DDP's bucket boundaries, so each bucket's all-reduce runs while the
-  backward goes on. Accumulation micro-steps before the last run under `no_sync`: one all-reduce of each
-  gradient per optimiser step. With one rank the model is used as it is.
+  splits that graph's backward at DDP's bucket boundaries, so each bucket's gradients are all-reduced
+  (each on its own: `all_reduce_each_gradient`) while the backward goes on. Accumulation micro-steps
+  before the last run under `no_sync`: one all-reduce of each gradient per optimiser step. With one rank
+  the model is used as it is.
 - `zero`: as `ddp` for the model and its gradients; each optimiser is a ZeroRedundancyOptimizer
   (model/optim.py), so each rank keeps the optimiser states of its own whole parameters (about 1/N of them,
   balanced by size), steps those, and broadcasts them to the other ranks. Checkpoints hold the same
@@ -28,6 +29,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -104,6 +106,23 @@ class Parallel:
         return torch.compiler.set_stance("force_eager") if self.mode == "fsdp" else nullcontext()
 
 
+def all_reduce_each_gradient(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's communication hook: the mean over the ranks of each gradient of the bucket, one all-reduce per
+    parameter, where DDP's own hook reduces the bucket's flat buffer. On three ranks or more, the order in
+    which an element's terms are summed depends on where the element sits in the tensor reduced, and DDP
+    reduces the first step after it is built in one bucket, then regroups the gradients in the order the
+    backward made them: reduced bucket by bucket, a resumed run's first step would not hold the
+    uninterrupted run's bits. Reduced parameter by parameter, an element's place is its place in its
+    parameter. The buckets still decide when the all-reduces start, so they overlap the backward as
+    before."""
+    world_size = dist.get_world_size(group)
+    done = []
+    for grad in bucket.gradients():  # views into bucket.buffer()
+        grad.div_(world_size)
+        done.append(dist.all_reduce(grad, group=group, async_op=True).get_future())
+    return torch.futures.collect_all(done).then(lambda _: bucket.buffer())
+
+
 def parallelize(
     model: nn.Module,
     mode: str,
@@ -125,18 +144,10 @@ def parallelize(
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         # The gradients are views into DDP's buckets rather than a second copy beside them: one fp32
         # gradient of the model less per rank, with the same arithmetic.
-        # Buckets fixed at construction: left to itself, DDP reduces the first step after it is built in one
-        # bucket and then regroups the gradients in the order the backward made them. On three ranks or
-        # more, where an element sits in a bucket decides the order its ranks' terms are summed in, so the
-        # first step after a resume would not hold the uninterrupted run's bits. Looking for unused
-        # parameters is what keeps DDP from regrouping; the search walks the autograd graph once per step.
         ddp = DistributedDataParallel(
-            wrap(model),
-            device_ids=device_ids,
-            gradient_as_bucket_view=True,
-            bucket_cap_mb=ddp_bucket_mb,
-            find_unused_parameters=True,
+            wrap(model), device_ids=device_ids, gradient_as_bucket_view=True, bucket_cap_mb=ddp_bucket_mb
         )
+        ddp.register_comm_hook(None, all_reduce_each_gradient)
         return Parallel(mode, model, ddp, wrap(model.token_losses), ddp)
     cuda = info.device.type == "cuda"
     policy = MixedPrecisionPolicy(

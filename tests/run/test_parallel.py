@@ -242,8 +242,9 @@ def test_resume_with_the_same_ranks_and_mode_is_bitwise(runs, tmp_path, corpus, 
 @pytest.mark.parametrize("mode", ["zero", "fsdp"])
 def test_resume_on_four_ranks_is_bitwise(runs, tmp_path, corpus, mode):
     """Four ranks, where the order in which the ranks' terms are summed depends on where each gradient sits
-    in the buffer reduced: under `zero` (DDP's buckets) the resumed run's first step reduces in the
-    uninterrupted run's buckets, and under `fsdp` each block's reduce-scatter keeps its layout."""
+    in the tensor reduced. DDP (`zero`) reduces the first step after it is built in other buckets than
+    later steps, so its gradients are reduced each on its own; `fsdp` reduce-scatters each block's own
+    buffer, the same in every run."""
     run_dir = runs.copy(tmp_path / "run", 4, mode, HALF, 1024)
     proc = train(corpus, run_dir, 4, mode, STEPS, 1024)
     assert resumed_line(proc, run_dir, HALF, 4, mode), proc.stdout
