@@ -34,6 +34,17 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def nccl_ring():
+    """NCCL's ring for every message size in every run here, as a full-size model's gradients take it: its
+    order of summing an element's terms follows where the element sits in the tensor reduced, which the
+    bitwise resumes must survive. The small model's gradients would otherwise go along a tree, whose order
+    does not depend on it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NCCL_ALGO", "Ring")
+        yield
+
+
 def needs(gpus: int):
     return pytest.mark.skipif(torch.cuda.device_count() < gpus, reason=f"needs {gpus} CUDA devices")
 
