@@ -397,6 +397,8 @@ def main(cfg) -> None:
             check_config(cfg, info)
             configure_determinism(cfg.deterministic)  # before any CUDA product: it sets cuBLAS's workspace
             lock = take_lock(Path(cfg.run_dir), info)
+            if lock is not None:
+                stop.release_on_early_exit(lock.release)
             checkpointer = Checkpointer(cfg.run_dir, cfg.keep_last, info)
             resume = find_resume(cfg, checkpointer, info)
             code = train(cfg, info, checkpointer, resume, stop)
