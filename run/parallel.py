@@ -116,11 +116,18 @@ def all_reduce_each_gradient(group, bucket: dist.GradBucket) -> torch.futures.Fu
     parameter. The buckets still decide when the all-reduces start, so they overlap the backward as
     before."""
     world_size = dist.get_world_size(group)
-    done = []
+    works = []
     for grad in bucket.gradients():  # views into bucket.buffer()
         grad.div_(world_size)
-        done.append(dist.all_reduce(grad, group=group, async_op=True).get_future())
-    return torch.futures.collect_all(done).then(lambda _: bucket.buffer())
+        works.append(dist.all_reduce(grad, group=group, async_op=True))
+    if bucket.buffer().is_cuda:
+        # NCCL runs a group's collectives in order on one stream, so the last one's future stands for all,
+        # and it is CUDA-aware: DDP reads the buffer on a stream that waits for it. collect_all's future
+        # knows no streams, and DDP would read the buffer while the all-reduces still wrote it.
+        done = works[-1].get_future()
+    else:
+        done = torch.futures.collect_all([work.get_future() for work in works])
+    return done.then(lambda _: bucket.buffer())
 
 
 def parallelize(

@@ -52,8 +52,10 @@ def needs(gpus: int):
 STEPS = 12
 BATCH = 4096
 TIMEOUT = 600
-# Losses of another world size: the same micro-batches, summed in another order in bf16 autocast.
-REL = 2e-2
+# Losses of another world size: the same micro-batches, summed in another order in bf16 autocast. Measured on
+# H200s, every mode and resume here stays within 4e-4 of one GPU over the 12 steps; gradients that DDP read
+# before their all-reduce had finished drifted 1e-2 away by then.
+REL = 3e-3
 
 
 def gpu_run(corpus, run_dir: Path, mode: str = "ddp", *extra) -> list[str]:
