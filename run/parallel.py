@@ -115,11 +115,8 @@ def all_reduce_each_gradient(group, bucket: dist.GradBucket) -> torch.futures.Fu
     uninterrupted run's bits. Reduced parameter by parameter, an element's place is its place in its
     parameter. The buckets still decide when the all-reduces start, so they overlap the backward as
     before."""
-    world_size = dist.get_world_size(group)
-    works = []
-    for grad in bucket.gradients():  # views into bucket.buffer()
-        grad.div_(world_size)
-        works.append(dist.all_reduce(grad, group=group, async_op=True))
+    bucket.buffer().div_(dist.get_world_size(group))  # one kernel for the bucket's gradients, its views
+    works = [dist.all_reduce(grad, group=group, async_op=True) for grad in bucket.gradients()]
     if bucket.buffer().is_cuda:
         # NCCL runs a group's collectives in order on one stream, so the last one's future stands for all,
         # and it is CUDA-aware: DDP reads the buffer on a stream that waits for it. collect_all's future
