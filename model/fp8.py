@@ -63,11 +63,14 @@ def _forward(operands: tuple[torch.Tensor, ...], out_dtype: torch.dtype, mode: s
     return _product(x, w, out_dtype, rowwise=True) if mode == "rowwise" else x @ w.t()
 
 
-def _tensorwise_backward(g8, g_inv, operands: tuple[torch.Tensor, ...], dx_dtype: torch.dtype):
+def _tensorwise_backward(
+    g8, g_inv, operands: tuple[torch.Tensor, ...], dx_dtype: torch.dtype, w8_columns=None
+):
     """(g W, g^T x) for g in e5m2 (g8, with its 1 / s) and tensorwise `_operands`: g W in dx_dtype, g^T x in
-    float32."""
+    float32. w8_columns: W8 already stored column-major, where the caller has it."""
     x8, x_inv, w8, w_inv = operands
-    dx = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=dx_dtype)
+    w8_columns = _column_major(w8) if w8_columns is None else w8_columns
+    dx = torch._scaled_mm(g8, w8_columns, scale_a=g_inv, scale_b=w_inv, out_dtype=dx_dtype)
     dw = torch._scaled_mm(
         g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32
     )
@@ -109,6 +112,22 @@ class _Linear(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw.to(ctx.w_dtype), None
 
 
+@torch.library.custom_op("varlen_gpt::quantize_weight", mutates_args=())
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(W in e4m3 row-major, the same column-major, 1 / s) with one scale for W, as one step the compiler
+    cannot look into. Quantised in plain PyTorch, W8 is a pointwise expression that inductor writes anew for
+    every product that reads it: two for each loss chunk of the head (16 copies of [V, d] at 8 chunks)."""
+    w8, w_inv = quantize(w, E4M3)
+    return w8, _column_major(w8), w_inv
+
+
+@quantize_weight.register_fake
+def _(w):
+    rows, cols = w.shape
+    column_major = w.new_empty_strided((rows, cols), (1, rows), dtype=E4M3)
+    return w.new_empty((rows, cols), dtype=E4M3), column_major, w.new_empty((), dtype=torch.float32)
+
+
 class ChunkedLinear:
     """x W^T of x [T, K] and W [N, K] in `mode`, and its gradients, chunk by chunk of x's rows: the LM head's
     loss (model/gpt.py's ChunkedCrossEntropy), whose logits [T, N] never exist at once. Each chunk runs
@@ -117,7 +136,12 @@ class ChunkedLinear:
     of the gradient at a time, or by its caller (backward's g_inv)."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, mode: str):
-        self.operands, self.dtype, self.mode = _operands(x, w, mode), x.dtype, mode
+        self.dtype, self.mode, self.w8_columns = x.dtype, mode, None
+        if mode == "tensorwise":
+            w8, self.w8_columns, w_inv = quantize_weight(w)
+            self.operands = (*quantize(x, E4M3), w8, w_inv)
+        else:
+            self.operands = _operands(x, w, mode)
 
     def chunk(self, rows: slice) -> tuple[torch.Tensor, ...]:
         x, *rest = self.operands
@@ -132,7 +156,9 @@ class ChunkedLinear:
         (`tensorwise`), g is already in e5m2 and g_inv its 1 / s: a gradient whose bound is known before it
         is computed can be written in FP8 by the pass that computes it."""
         if g_inv is not None:
-            return _tensorwise_backward(g, g_inv, self.chunk(rows), self.dtype)
+            return _tensorwise_backward(g, g_inv, self.chunk(rows), self.dtype, self.w8_columns)
+        if self.mode == "tensorwise":
+            return _tensorwise_backward(*quantize(g, E5M2), self.chunk(rows), g.dtype, self.w8_columns)
         return _backward(g, self.chunk(rows), self.mode)
 
 
