@@ -4,7 +4,7 @@ under torchrun.
     python scripts/bench_train.py data.source='corpus/*.parquet' data.vocab_size=32768 \
         data.tokens_per_micro_batch=65536 data.max_seqlen=2048 data.max_num_docs=256 \
         total_batch_tokens=524288 +models=[d12,d20] +backends=[triton,flex,torch_varlen,sdpa_packed] \
-        +warmup=3 +steps=10 [+out=FILE.json] [+profile=true]
+        +warmup=3 +steps=10 [+out=FILE.json] [+profile=true] [+memory_snapshot=DIR]
 
 `fa4` in `+backends` (FlashAttention-4, model/fa4.py) is skipped with a printed note where flash-attn-4 does
 not import or the GPU is older than sm90, so one command compares it with ours where it runs.
@@ -13,8 +13,10 @@ Takes the same overrides as train.py (the data pipeline and loader are the real 
 `+models` names a preset of configs/model, composed as `train.py model=<name>` would. For each model
 and backend it reports tokens/s; MFU by nanochat's formula (6 x matmul params + 12 * layers * heads *
 head_dim * max_seqlen FLOPs per token, i.e. full attention over every row, whether computed or not) and
-with only the in-document attention work counted; peak memory; compile time (the first step's time
-beyond a steady step); recompiles after the first step; and the share of step time spent waiting for data.
+with only the in-document attention work counted; peak memory over every step (`peak_mem_gb`: the first,
+compiling and autotuning, included) and over the timed steps alone (`steady_peak_mem_gb`; None on the CPU,
+whose peak RSS cannot be reset); compile time (the first step's time beyond a steady step); recompiles
+after the first step; and the share of step time spent waiting for data.
 The table goes to benchmarks/train_<device>.json (h100, h200, cpu, ...), with `model.fp8=<mode>` to
 benchmarks/train_fp8_<mode>_<device>.json, with `parallel=zero` or `fsdp` to
 benchmarks/train_<parallel>_<device>.json, and with N > 1 ranks to ..._<device>_x<N>.json; or to `+out=`.
@@ -32,11 +34,17 @@ kernel overlapped, which the step waited for) and `exposed_comm_share` (of the s
 `exposed_comm_s_by_rank`, every rank's exposed time. A collective's kernel starts when its rank arrives, so a
 rank that arrives first also waits in it for the others: the smallest of them is the communication's own
 cost, and the spread is the time ranks waited for one another (their micro-batches' work differs).
+
+`+memory_snapshot=DIR` (CUDA only) records the caching allocator's history over one more step, after the
+timed (and profiled) ones, writes it to DIR/<model>_<backend>_rank<r>.pickle (pytorch.org/memory_viz opens
+it) and prints, per rank, scripts/memory_peak.py's account of its peak: the moment the most bytes were
+allocated, and the code that allocated the blocks alive then.
 """
 
 import gc
 import importlib.metadata
 import json
+import pickle
 import sys
 import time
 from contextlib import nullcontext
@@ -62,12 +70,15 @@ from run.determinism import configure_determinism  # noqa: E402
 from run.dist import gather_objects, init_distributed, shutdown, wait_for_rank0  # noqa: E402
 from run.parallel import needs_group_of_one, parallelize, shards_optimizers  # noqa: E402
 from run.preflight import check_config  # noqa: E402
+from scripts.memory_peak import find_peak, summary  # noqa: E402
 from train import peak_memory_gb, train_step  # noqa: E402
 
 register_configs()
 
 # H100 and H200 dense bf16: the denominator nanochat uses, so MFUs compare across projects.
 NANOCHAT_PEAK = 989e12
+# Allocator events kept by +memory_snapshot (a ring buffer: the oldest go first); a step makes far fewer.
+SNAPSHOT_ENTRIES = 2_000_000
 
 
 def model_config(preset: str) -> DictConfig:
@@ -78,7 +89,17 @@ def model_config(preset: str) -> DictConfig:
     return hydra.compose(config_name="config", overrides=[*overrides, f"model={preset}"])
 
 
-def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int, profile: bool) -> dict:
+def bench_one(
+    cfg,
+    data,
+    info,
+    name: str,
+    backend: str,
+    warmup: int,
+    steps: int,
+    profile: bool,
+    snapshot_dir: str | None = None,
+) -> dict:
     device = info.device
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, data.vocab_size, backend, cfg.data.max_seqlen).to(device)
@@ -107,6 +128,9 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
     graphs_after_first = counters["stats"]["unique_graphs"]
     for _ in range(warmup - 1):
         timed_step()
+    warm_peak = peak_memory_gb(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times, waits, attn_flops, losses = [], [], [], []
     for _ in range(steps):
         dt, result, loss = timed_step()
@@ -114,6 +138,7 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
         waits.append(result.data_wait_s)
         attn_flops.append(result.attention_flops.item())
         losses.append(loss)
+    steady_peak = peak_memory_gb(device) if device.type == "cuda" else None
     comm = {}
     if profile:
         with torch.profiler.profile(
@@ -130,6 +155,14 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
                     sort_by="self_device_time_total", row_limit=40, max_name_column_width=70
                 )
             )
+    # Every step's peak: the first and the profiled one's included, the snapshot step's not.
+    peak_mem = max(warm_peak, peak_memory_gb(device))
+    if snapshot_dir:
+        path = Path(snapshot_dir) / f"{name}_{backend}_rank{info.rank}.pickle"
+        texts = gather_objects(record_memory(timed_step, device, path), info)
+        if info.is_main:
+            for rank, text in enumerate(texts):
+                print(f"memory snapshot of one step, {name} {backend} rank {rank}: {text}", flush=True)
     loader.close()
     step_time = sorted(times)[len(times) // 2]
     s = model.shape
@@ -142,7 +175,8 @@ def bench_one(cfg, data, info, name: str, backend: str, warmup: int, steps: int,
     peak = peak_flops(device) or NANOCHAT_PEAK
     ranks = info.world_size
     # The largest rank's memory: the one that runs out first.
-    memory = max(gather_objects(rank_memory(model, optimizers, device), info), key=lambda m: m["peak_mem_gb"])
+    memory = rank_memory(model, optimizers, peak_mem, steady_peak)
+    memory = max(gather_objects(memory, info), key=lambda m: m["peak_mem_gb"])
     row = {
         "model": name,
         "heads": f"{s.n_head} x {s.head_dim}",
@@ -174,7 +208,25 @@ def communication(prof, wall: float) -> dict:
     return {"comm_s": total, "exposed_comm_s": exposed, "exposed_comm_share": exposed / wall}
 
 
-def rank_memory(model, optimizers, device) -> dict:
+def record_memory(step, device, path: Path) -> str:
+    """Run `step` with the CUDA caching allocator's history recorded, dump the snapshot to `path`, and return
+    scripts/memory_peak.py's summary of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Python stacks only: sites are Python frames, and C++ unwinding would slow the step and bloat the file.
+    torch.cuda.memory._record_memory_history(
+        max_entries=SNAPSHOT_ENTRIES, stacks="python", clear_history=True
+    )
+    try:
+        step()
+        torch.cuda.memory._dump_snapshot(str(path))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    return f"{path}\n{summary(find_peak(snapshot, device.index))}"
+
+
+def rank_memory(model, optimizers, peak_mem_gb: float, steady_peak_mem_gb: float | None) -> dict:
     """This rank's peak memory, and the bytes of the parameters and optimiser states it holds (local shards
     under fsdp, its own parameters' states under zero)."""
 
@@ -184,7 +236,8 @@ def rank_memory(model, optimizers, device) -> dict:
 
     states = [v for opt in optimizers for s in _local(opt).state.values() for v in s.values()]
     return {
-        "peak_mem_gb": peak_memory_gb(device),
+        "peak_mem_gb": peak_mem_gb,
+        "steady_peak_mem_gb": steady_peak_mem_gb,
         "params_gb": sum(nbytes(p) for p in model.parameters()) / 1e9,
         "optim_state_gb": sum(nbytes(v) for v in states if isinstance(v, torch.Tensor)) / 1e9,
     }
@@ -242,6 +295,11 @@ def bench(cfg, info) -> None:
     ]
     warmup, steps = int(cfg.get("warmup", 3)), int(cfg.get("steps", 10))
     profile = bool(cfg.get("profile", False))  # +profile=true: per-kernel table of one extra step
+    snapshot_dir = cfg.get("memory_snapshot")  # +memory_snapshot=DIR: allocator history of one more step
+    if snapshot_dir and info.device.type != "cuda":
+        if info.is_main:
+            print(f"+memory_snapshot skipped: it records the CUDA allocator, this run is on {info.device}")
+        snapshot_dir = None
     if info.is_main:
         prepare(cfg.data, build=True)
     wait_for_rank0(info)
@@ -250,7 +308,9 @@ def bench(cfg, info) -> None:
     for name in models:
         for backend in backends:
             try:
-                row = bench_one(model_config(name), data, info, name, backend, warmup, steps, profile)
+                row = bench_one(
+                    model_config(name), data, info, name, backend, warmup, steps, profile, snapshot_dir
+                )
             except torch.OutOfMemoryError:
                 row = {"model": name, "attention": backend, "error": "out of memory"}
             release_memory()
@@ -281,16 +341,17 @@ def bench(cfg, info) -> None:
     print(f"\n{env}")
     print(
         f"{'model':<6} {'heads':<8} {'attention':<13} {'tok/s':>10} {'MFU nc':>7} {'MFU doc':>8} "
-        f"{'mem GB':>7} {'state GB':>8} {'compile s':>9} {'recomp':>6} {'data %':>7}"
+        f"{'mem GB':>7} {'steady GB':>9} {'state GB':>8} {'compile s':>9} {'recomp':>6} {'data %':>7}"
     )
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<6} {'':<8} {r['attention']:<13} {r['error']}")
             continue
         mem, state = f"{r['peak_mem_gb']:.1f}", f"{r['params_gb'] + r['optim_state_gb']:.2f}"
+        steady = "-" if r["steady_peak_mem_gb"] is None else f"{r['steady_peak_mem_gb']:.1f}"
         print(
             f"{r['model']:<6} {r['heads']:<8} {r['attention']:<13} {r['tokens_per_s']:>10,.0f} "
-            f"{r['mfu_nanochat']:>7.1%} {r['mfu_in_document']:>8.1%} {mem:>7} {state:>8} "
+            f"{r['mfu_nanochat']:>7.1%} {r['mfu_in_document']:>8.1%} {mem:>7} {steady:>9} {state:>8} "
             f"{r['compile_s']:>9.1f} {r['recompiles']:>6} {r['data_share']:>7.2%}"
         )
     fp8 = "" if cfg.model.fp8 == "none" else f"fp8_{cfg.model.fp8}_"

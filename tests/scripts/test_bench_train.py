@@ -79,6 +79,20 @@ def test_bench_train_skips_fa4_with_a_note_where_it_cannot_run(tmp_path):
     assert report["env"]["flash_attn_4"] is None
 
 
+def test_bench_train_on_the_cpu_has_no_steady_peak_and_skips_the_memory_snapshot(tmp_path):
+    """The peak RSS cannot be reset, so the timed steps' own peak is None; the allocator history is CUDA's."""
+    out, snapshots = tmp_path / "bench.json", tmp_path / "snapshots"
+    args = [*tiny_bench(tmp_path), "device=cpu", "+models=[tiny]", "model.depth=1", f"+out={out}"]
+    args.append(f"+memory_snapshot={snapshots}")
+    cmd = [sys.executable, "scripts/bench_train.py", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True, text=True)
+    assert "+memory_snapshot skipped: it records the CUDA allocator, this run is on cpu" in proc.stdout
+    assert not snapshots.exists()
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["steady_peak_mem_gb"] is None and row["peak_mem_gb"] > 0
+    assert "steady GB" in proc.stdout
+
+
 def test_under_torchrun_each_mode_reports_the_memory_its_sharding_leaves_on_a_rank(tmp_path):
     """Two gloo ranks: ddp holds every parameter and optimiser state on each rank; zero the parameters and
     about half the states; fsdp about half of both (the model's own parameter count is the reference)."""
@@ -110,3 +124,4 @@ def test_under_torchrun_each_mode_reports_the_memory_its_sharding_leaves_on_a_ra
     assert fsdp["optim_state_gb"] == pytest.approx(states / 2, **close)
     for row in rows.values():
         assert row["tokens_per_s"] == pytest.approx(2 * row["tokens_per_s_per_rank"])
+        assert row["steady_peak_mem_gb"] is None  # gloo on the CPU
