@@ -19,6 +19,10 @@ triton.testing.do_bench; backward alone is torch.autograd.grad over a retained g
 building the tile tables on every call; FlexAttention's block mask and SDPA's padded copies are built
 once outside the timed region (a model builds the mask once per batch for all its layers).
 `sdpa_rows` is the no-mask reference: causal SDPA over whole 2,048-token rows, as nanochat computes.
+
+The physical limit beside them: a bf16 matrix product's TFLOP/s on the same GPU (MATMUL_SIZE cubed, cuBLAS),
+measured once per run, written as `matmul_tflops`; each row's `fwd_bwd_share_of_matmul` (and the table's
+last column) is its forward + backward TFLOP/s as a share of it.
 """
 
 import argparse
@@ -40,6 +44,10 @@ MIXES = {
     "b_short": (310, 2048),  # 222 documents, mean 295
     "c_long": (10000, 16384),  # 10 documents, mean 6554, longest 16384
 }
+
+
+# Square bf16 product of the physical-limit measurement: large enough that cuBLAS runs at its peak.
+MATMUL_SIZE = 8192
 
 
 def document_lengths(mix: str, total: int = 65536, seed: int = 0) -> list[int]:
@@ -226,6 +234,15 @@ def time_method(
     return times
 
 
+def matmul_tflops(n: int = MATMUL_SIZE) -> float:
+    """TFLOP/s of a bf16 [n, n] x [n, n] product on the current GPU (median of do_bench)."""
+    from triton.testing import do_bench
+
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = do_bench(lambda: a @ b, warmup=50, rep=200, return_mode="median")
+    return round(2 * n**3 / ms / 1e9, 1)
+
+
 def environment() -> dict:
     import triton
 
@@ -237,7 +254,7 @@ def environment() -> dict:
     }
 
 
-def benchmark(head_dims, mixes, heads, tokens, window: int = -1) -> list[dict]:
+def benchmark(head_dims, mixes, heads, tokens, window: int = -1, matmul: float | None = None) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
     methods = dict(
@@ -269,6 +286,8 @@ def benchmark(head_dims, mixes, heads, tokens, window: int = -1) -> list[dict]:
                     for part, t in times.items():
                         row[f"{part}_ms"] = round(t, 4)
                         row[f"{part}_tflops"] = round(WORK[part] * flops / t / 1e9, 1)
+                    if matmul:
+                        row["fwd_bwd_share_of_matmul"] = round(row["fwd_bwd_tflops"] / matmul, 3)
                 print(format_row(row), flush=True)
                 rows.append(row)
                 torch.cuda.empty_cache()
@@ -373,12 +392,13 @@ def format_row(row: dict) -> str:
     if "error" in row:
         return f"{head} {row['error'][:80]} |"
     cells = (f" {row[f'{k}_ms']:8.3f} | {row[f'{k}_tflops']:6.1f} |" for k in ("fwd", "bwd", "fwd_bwd"))
-    return head + "".join(cells)
+    share = row.get("fwd_bwd_share_of_matmul")
+    return head + "".join(cells) + (f" {share:7.1%} |" if share is not None else "       - |")
 
 
 TABLE_HEAD = (
     "| mix        |   D | method            |   fwd ms | TFLOPS |   bwd ms | TFLOPS |   f+b ms | TFLOPS |"
-    "\n|---|---|---|---:|---:|---:|---:|---:|---:|"
+    "  of mm |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -409,8 +429,12 @@ def main():
         rows = tune(args.head_dims, args.mixes, args.heads, args.tokens, args.kernels)
         out = args.out
     else:
+        env["matmul_tflops"] = matmul_tflops()
+        print(f"bf16 matmul, {MATMUL_SIZE}^3: {env['matmul_tflops']} TFLOP/s (the last column's reference)")
         print(TABLE_HEAD)
-        rows = benchmark(args.head_dims, args.mixes, args.heads, args.tokens, args.window)
+        rows = benchmark(
+            args.head_dims, args.mixes, args.heads, args.tokens, args.window, env["matmul_tflops"]
+        )
         print("\n" + "\n".join([TABLE_HEAD, *map(format_row, rows)]))
         benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
         suffix = f"_w{args.window}" if args.window >= 0 else ""
