@@ -294,9 +294,11 @@ def benchmark(head_dims, mixes, heads, tokens, window: int = -1, matmul: float |
     return rows
 
 
-def tune(head_dims, mixes, heads, tokens, kernels=KERNELS) -> list[dict]:
+def tune(head_dims, mixes, heads, tokens, kernels=KERNELS, window: int = -1) -> list[dict]:
     """Time our forward or backward under candidate block configs, one kernel of `kernels` varied at a
-    time. The mix of long documents varies the last length class of block_config, the others the first."""
+    time. The mix of long documents varies the last length class of block_config, the others the first.
+    A dK/dV candidate for the class whose dS the dQ pass reads (dq_stored) gets a dq_stored that fits its
+    dS tiles: its key blocks, and 64 query rows where that is a multiple of its own, else its own."""
     from kernels.attention import block_sizes
     from kernels.attention.block_sizes import Blocks
 
@@ -336,7 +338,7 @@ def tune(head_dims, mixes, heads, tokens, kernels=KERNELS) -> list[dict]:
 
     def run(row, part, q, k, v, cu, lengths, flops):
         try:
-            t = time_method(ours, q, k, v, cu, lengths, parts=(part,), rep_ms=100)[part]
+            t = time_method(ours, q, k, v, cu, lengths, parts=(part,), rep_ms=100, window=window)[part]
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         else:
@@ -349,17 +351,20 @@ def tune(head_dims, mixes, heads, tokens, kernels=KERNELS) -> list[dict]:
         for mix in mixes:
             lengths = document_lengths(mix, tokens)
             batch = make_batch(lengths, heads, head_dim)
-            flops = causal_flops(lengths, heads, head_dim)
+            flops = causal_flops(lengths, heads, head_dim, window)
             which = -1 if mix == "c_long" else 0
             for kernel in kernels:
                 for blocks in candidates[kernel]:
-                    entries = list(default_config(head_dim)[kernel])
+                    config = default_config(head_dim)
+                    entries = list(config[kernel])
                     entries[which] = (entries[which][0], blocks)
-                    block_sizes.block_config = lambda d, kernel=kernel, entries=entries: {
-                        **default_config(d),
-                        kernel: entries,
-                    }
+                    changed = {kernel: entries}
                     row = {"mix": mix, "head_dim": head_dim, "kernel": kernel, "blocks": list(blocks)}
+                    if kernel == "dkdv" and which == 0 and "dq_stored" in config:
+                        m = 64 if 64 % blocks.m == 0 and 64 <= blocks.n else blocks.m
+                        changed["dq_stored"] = config["dq_stored"]._replace(m=m, n=blocks.n)
+                        row["dq_stored"] = list(changed["dq_stored"])
+                    block_sizes.block_config = lambda d, changed=changed: {**default_config(d), **changed}
                     run(row, "fwd" if kernel == "fwd" else "bwd", *batch, lengths, flops)
                     block_sizes.block_config = default_config
     return rows
@@ -414,7 +419,10 @@ def main():
     )
     parser.add_argument("--profile", action="store_true", help="time each of our kernels instead")
     parser.add_argument(
-        "--window", type=int, default=-1, help="sliding window: each query sees this many predecessors"
+        "--window",
+        type=int,
+        default=-1,
+        help="sliding window: each query sees this many predecessors (in the table, or in --tune's sweep)",
     )
     parser.add_argument(
         "--out", type=Path, help="JSON path (default benchmarks/attention_<device>.json; --tune: none)"
@@ -426,7 +434,7 @@ def main():
     if args.profile:
         return profile(args.head_dims, args.mixes, args.heads, args.tokens)
     if args.tune:
-        rows = tune(args.head_dims, args.mixes, args.heads, args.tokens, args.kernels)
+        rows = tune(args.head_dims, args.mixes, args.heads, args.tokens, args.kernels, args.window)
         out = args.out
     else:
         env["matmul_tflops"] = matmul_tflops()
