@@ -370,7 +370,7 @@ def tune(head_dims, mixes, heads, tokens, kernels=KERNELS, window: int = -1) -> 
     return rows
 
 
-def profile(head_dims, mixes, heads, tokens) -> None:
+def profile(head_dims, mixes, heads, tokens, window: int = -1) -> None:
     """CUDA time of each kernel in our forward + backward (torch.profiler), to see where the time goes."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -378,7 +378,7 @@ def profile(head_dims, mixes, heads, tokens) -> None:
     for head_dim in head_dims:
         for mix in mixes:
             lengths = document_lengths(mix, tokens)
-            fwd, inputs = ours(*make_batch(lengths, heads, head_dim), lengths)
+            fwd, inputs = ours(*make_batch(lengths, heads, head_dim), lengths, window)
             inputs = [x.requires_grad_() for x in inputs]
             dout = torch.randn_like(inputs[0])
             for _ in range(3):
@@ -388,7 +388,7 @@ def profile(head_dims, mixes, heads, tokens) -> None:
                 for _ in range(10):
                     torch.autograd.grad(fwd(*inputs), inputs, dout)
                 torch.cuda.synchronize()
-            print(f"{mix}, D={head_dim}, 10 steps")
+            print(f"{mix}, D={head_dim}, window {window}, 10 steps")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10))
 
 
@@ -422,7 +422,7 @@ def main():
         "--window",
         type=int,
         default=-1,
-        help="sliding window: each query sees this many predecessors (in the table, or in --tune's sweep)",
+        help="sliding window: each query sees this many predecessors (in the table, --tune or --profile)",
     )
     parser.add_argument(
         "--out", type=Path, help="JSON path (default benchmarks/attention_<device>.json; --tune: none)"
@@ -432,7 +432,7 @@ def main():
     env = environment()
     print(json.dumps(env))
     if args.profile:
-        return profile(args.head_dims, args.mixes, args.heads, args.tokens)
+        return profile(args.head_dims, args.mixes, args.heads, args.tokens, args.window)
     if args.tune:
         rows = tune(args.head_dims, args.mixes, args.heads, args.tokens, args.kernels, args.window)
         out = args.out
