@@ -7,6 +7,7 @@ torch.nn.attention.varlen.varlen_attn, and SDPA (flash and cuDNN backends) on a 
     python scripts/bench_attention.py --tune --kernels dkdv   # only the dK/dV pass's candidates
     python scripts/bench_attention.py --profile  # CUDA time of each of our kernels
     python scripts/bench_attention.py --window 512   # sliding windows: each query sees its 512 predecessors
+    python scripts/bench_attention.py --methods ours fa4   # only these methods
 
 <device> is the GPU's model in lower case (h100, h200). `--tune` prints one JSON line per config and
 writes a file only with `--out`; `--profile` writes nothing. With `--window W` the file is
@@ -254,7 +255,9 @@ def environment() -> dict:
     }
 
 
-def benchmark(head_dims, mixes, heads, tokens, window: int = -1, matmul: float | None = None) -> list[dict]:
+def benchmark(
+    head_dims, mixes, heads, tokens, window: int = -1, matmul: float | None = None, only=None
+) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
     methods = dict(
@@ -264,6 +267,8 @@ def benchmark(head_dims, mixes, heads, tokens, window: int = -1, matmul: float |
         methods.update(fa4=_fa4(False), fa4_deterministic=_fa4(True))
     if window >= 0:
         methods = {name: method for name, method in methods.items() if name in WINDOWED}
+    if only:
+        methods = {name: method for name, method in methods.items() if name in only}
     rows = []
     for head_dim in head_dims:
         for mix in mixes:
@@ -413,6 +418,7 @@ def main():
     parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--methods", nargs="+", help="only these methods (default: every one that runs here)")
     parser.add_argument("--tune", action="store_true", help="sweep our block configs instead")
     parser.add_argument(
         "--kernels", nargs="+", default=list(KERNELS), choices=KERNELS, help="with --tune: the passes to vary"
@@ -441,7 +447,13 @@ def main():
         print(f"bf16 matmul, {MATMUL_SIZE}^3: {env['matmul_tflops']} TFLOP/s (the last column's reference)")
         print(TABLE_HEAD)
         rows = benchmark(
-            args.head_dims, args.mixes, args.heads, args.tokens, args.window, env["matmul_tflops"]
+            args.head_dims,
+            args.mixes,
+            args.heads,
+            args.tokens,
+            args.window,
+            env["matmul_tflops"],
+            args.methods,
         )
         print("\n" + "\n".join([TABLE_HEAD, *map(format_row, rows)]))
         benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
