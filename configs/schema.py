@@ -27,10 +27,9 @@ class ModelConfig:
     # One letter per layer, repeated over depth: L = full causal context, S = short_window tokens.
     window_pattern: str = "L"
     short_window: int = 256
-    # Cross-entropy is computed this many tokens at a time. A chunk's bf16 logits and their gradient
-    # (0.5 GB each at 8,192 tokens, vocab 32,768) are freed after its pass, but every chunk's head-gradient
-    # term ([vocab, width]) lives to the end of the forward. At d12 on an H200, 8,192 peaked 1.5 GB lower
-    # than 4,096, at the same speed.
+    # Cross-entropy is computed this many tokens at a time: a chunk's bf16 logits and their gradient (0.5 GB
+    # each at 8,192 tokens, vocab 32,768) exist during its pass only, and its head-gradient term
+    # ([vocab, width]) is added into one sum as it comes.
     loss_chunk_tokens: int = 8192
     # On Hopper, the MLP's first product and its gradient's run kernels/fused/gemm_hopper.py, with the
     # input's RMSNorm, ReLU^2 and its derivative in their epilogues (kernels/fused/mlp.py); false (or another
@@ -53,6 +52,10 @@ class ModelConfig:
     # both gradients) go through torch._scaled_mm in either recipe, a chunk of loss_chunk_tokens at a time:
     # at d20 they are a tenth of the linear layers' FLOPs. The embedding is a lookup.
     fp8: str = "none"
+    # With fp8 on, whether the LM head's three products run in it too; false keeps them in bf16, as
+    # nanochat's --fp8 does. On an H200 the FP8 head measured faster at d20 and d24 and slower at d12
+    # (README, Configuration: FP8).
+    fp8_head: bool = True
 
 
 @dataclass

@@ -364,7 +364,7 @@ class GPT(nn.Module):
         # Plain floats and ints, not the config object: the compiled forward reads them.
         self.rope_base, self.logit_softcap = float(cfg.rope_base), float(cfg.logit_softcap)
         self.loss_chunk_tokens = int(cfg.loss_chunk_tokens)
-        self.fp8_mode = str(cfg.fp8)  # the head's products', as each block's
+        self.fp8_mode = str(cfg.fp8) if cfg.fp8_head else "none"  # the head's products
         windows = layer_windows(cfg.window_pattern, cfg.short_window, s.n_layer)
         self.attention = Attention(attention, windows, s.head_dim)
         self.wte = nn.Embedding(s.padded_vocab_size, s.n_embd)

@@ -388,7 +388,7 @@ def _reason(err: BaseException) -> str:
 
 # Keys a resumed run must share with its checkpoint: the model's function (every model.* key but those
 # choosing an implementation of the same math), the optimiser, and what decides the data stream.
-_FREE_MODEL_KEYS = {"loss_chunk_tokens", "fused_mlp", "fused_rope_norm", "fused_residual", "fp8"}
+_FREE_MODEL_KEYS = {"loss_chunk_tokens", "fused_mlp", "fused_rope_norm", "fused_residual", "fp8", "fp8_head"}
 _STREAM_DATA_KEYS = (
     "source",
     "text_column",

@@ -266,6 +266,33 @@ def test_fp8_is_for_training_and_evaluation_runs_the_bf16_products():
         assert torch.equal(fp8(ids, pos, cu, 128), models["none"](ids, pos, cu, 128))
 
 
+def test_fp8_head_false_keeps_the_head_in_bf16():
+    """model.fp8_head=false: the blocks' products in FP8, the head's three in the weights' precision. The
+    training loss is the plain head's on the FP8 blocks' hidden states, bit for bit, and no longer the FP8
+    head's; the blocks are those of the FP8 model (the same hidden states)."""
+    cfg = dict(depth=2, head_dim=16, aspect_ratio=32, loss_chunk_tokens=64, fp8="tensorwise")
+    ids, targets = torch.randint(0, 97, (128,)), torch.randint(0, 97, (128,))
+    cu, pos = torch.tensor([0, 50, 128], dtype=torch.int32), torch.cat([torch.arange(50), torch.arange(78)])
+    models = {}
+    for head in (True, False):
+        torch.manual_seed(0)
+        models[head] = GPT(
+            ModelConfig(**cfg, fp8_head=head), vocab_size=97, attention="reference", max_seqlen=128
+        )
+    with torch.no_grad():
+        for p in models[True].parameters():
+            p.normal_(0, 0.3)
+        models[False].load_state_dict(models[True].state_dict())
+    plain_head, fp8_head = models[False], models[True]
+    h = plain_head.hidden_states(ids, pos, cu, 128)
+    assert torch.equal(h, fp8_head.hidden_states(ids, pos, cu, 128))
+    w, cap = plain_head.lm_head.weight, plain_head.logit_softcap
+    loss = plain_head(ids, pos, cu, 128, targets)
+    assert torch.equal(loss, ChunkedCrossEntropy.apply(h, w, targets, cap, 64, 97, "none"))
+    assert not torch.equal(loss, fp8_head(ids, pos, cu, 128, targets))
+    assert torch.equal(plain_head(ids, pos, cu, 128), softcap(linear(h, w, "none"), cap)[:, :97])
+
+
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
