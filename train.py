@@ -67,6 +67,7 @@ from run.parallel import (
     shards_optimizers,
 )
 from run.preflight import check_config, find_resume, take_lock
+from run.profiling import StepProfiler
 from run.stop import GracefulStop
 
 register_configs()
@@ -144,12 +145,14 @@ def train(cfg, info: DistInfo, checkpointer: Checkpointer, resume: Loaded | None
     run = set_up(cfg, info, resume)
     progress = Progress(cfg.max_steps, run.step, cfg.log_every, enabled=info.is_main)
     clip, saved = cfg.optim.grad_clip, True
+    profiler = StepProfiler(cfg.profile, cfg.run_dir, info)
     stop.arm()
     while run.step < cfg.max_steps:
         t0 = time.perf_counter()
         lr_mult = lr_multiplier(run.step, cfg.max_steps, cfg.optim)
         set_lr(run.optimizers, lr_mult)
-        result = train_step(run.parallel, run.loader, run.optimizers, run.accum, run.autocast, info, clip)
+        with profiler.step(run.step + 1):
+            result = train_step(run.parallel, run.loader, run.optimizers, run.accum, run.autocast, info, clip)
         run.step += 1
         run.tokens_seen += cfg.total_batch_tokens
         record = step_metrics(run, result, lr_mult, t0)
@@ -171,6 +174,7 @@ def train(cfg, info: DistInfo, checkpointer: Checkpointer, resume: Loaded | None
                 outcome = f"checkpoint {checkpointer.path(run.step)} written" if saved else "its save FAILED"
                 progress.write(f"stopped by {stop.name} after step {run.step}: {outcome}")
             break
+    profiler.close()
     progress.close()
     run.loader.close()
     run.logger.close()

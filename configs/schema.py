@@ -98,12 +98,25 @@ class CoreConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """Profiling a training run (run/profiling.py); every rank writes its own files to run_dir/profile/."""
+
+    # A torch.profiler trace (CPU and CUDA activity) of one step every this many steps; 0: off.
+    every: int = 0
+    # CUDA: record the caching allocator's history from the first step, and dump it at each profiled step and
+    # when a step runs out of memory (pytorch.org/memory_viz, scripts/memory_peak.py). It slows every
+    # allocation a little.
+    memory_snapshot: bool = False
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     wandb: WandbConfig = field(default_factory=WandbConfig)
     core: CoreConfig = field(default_factory=CoreConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     run_dir: str = "runs/default"
     resume: str | None = None  # a checkpoint path; by default the latest one in run_dir

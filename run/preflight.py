@@ -25,6 +25,7 @@ from run.checkpoint import (
 from run.dist import DistInfo, broadcast_object, wait_for_rank0
 from run.lock import RunLock, RunLocked
 from run.parallel import check_mode as check_parallel
+from run.profiling import check_profile
 
 
 def check_config(cfg, info: DistInfo) -> None:
@@ -55,6 +56,7 @@ def check_config(cfg, info: DistInfo) -> None:
         raise ConfigError(f"optim.name={cfg.optim.name!r} must be one of {', '.join(OPTIMIZERS)}")
     GPTShape.from_config(cfg.model, cfg.data.vocab_size)
     check_fp8(cfg.model, info.device, cfg.data.vocab_size)
+    check_profile(cfg.profile, info.device)
     layer_windows(cfg.model.window_pattern, cfg.model.short_window, cfg.model.depth)
     if cfg.wandb.mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} must be online, offline or disabled")

@@ -1,0 +1,81 @@
+"""Profiling a training run (train.py's `profile.*`, as torchtitan's profiling options): a torch.profiler
+trace of one step every `profile.every` steps, and on CUDA the caching allocator's history, dumped at those
+steps and when a step runs out of memory.
+
+Files go to run_dir/profile/ (every rank writes its own): step_<N>/rank<R>.json, a Chrome trace (Perfetto,
+chrome://tracing); memory_step_<N>_rank<R>.pickle and memory_oom_step_<N>_rank<R>.pickle, allocator
+snapshots (pytorch.org/memory_viz, scripts/memory_peak.py). Each is written to a temporary name and renamed.
+"""
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from configs.schema import ConfigError
+from run.dist import DistInfo
+
+# Allocator events kept (a ring buffer: the oldest go first). A step makes far fewer; at the cap one
+# million events hold about an hour of history of a small model.
+HISTORY_ENTRIES = 1_000_000
+
+
+def check_profile(cfg, device: torch.device) -> None:
+    """Refuse, at start-up, profile settings that cannot run."""
+    if cfg.every < 0:
+        raise ConfigError(f"profile.every={cfg.every} must be 0 (off) or a number of steps")
+    if cfg.memory_snapshot and device.type != "cuda":
+        raise ConfigError(
+            f"profile.memory_snapshot=true records the CUDA caching allocator; this run is on {device.type}"
+        )
+
+
+class StepProfiler:
+    """Wraps each training step (`with profiler.step(n):`, n the number the step will have once done)."""
+
+    def __init__(self, cfg, run_dir: str, info: DistInfo):
+        self.every, self.memory = int(cfg.every), bool(cfg.memory_snapshot)
+        self.dir, self.rank, self.device = Path(run_dir) / "profile", info.rank, info.device
+        if self.memory:
+            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+
+    @contextmanager
+    def step(self, n: int):
+        if not (self.every and n % self.every == 0):
+            with self._oom_snapshot(n):
+                yield
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with self._oom_snapshot(n), torch.profiler.profile(activities=activities) as prof:
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the step's kernels belong to its trace
+        self._write(self.dir / f"step_{n:06d}" / f"rank{self.rank}.json", prof.export_chrome_trace)
+        if self.memory:
+            self._snapshot(f"memory_step_{n:06d}")
+
+    @contextmanager
+    def _oom_snapshot(self, n: int):
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            if self.memory:
+                self._snapshot(f"memory_oom_step_{n:06d}")
+            raise
+
+    def _snapshot(self, name: str) -> None:
+        self._write(self.dir / f"{name}_rank{self.rank}.pickle", torch.cuda.memory._dump_snapshot)
+
+    @staticmethod
+    def _write(path: Path, write) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        write(str(tmp))
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self.memory:
+            torch.cuda.memory._record_memory_history(enabled=None)
