@@ -16,9 +16,17 @@ import torch
 from configs.schema import ConfigError
 from run.dist import DistInfo
 
-# Allocator events kept (a ring buffer: the oldest go first). A step makes far fewer; at the cap one
-# million events hold about an hour of history of a small model.
+# Allocator events kept: a ring buffer, so a long run keeps its recent past (the oldest events go first).
 HISTORY_ENTRIES = 1_000_000
+
+
+def write_by_name(path: Path, write) -> None:
+    """write(name) writes a file at `name` (torch's exporters take a path): here to a temporary name, then
+    renamed to `path`, so that no reader sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(str(tmp))
+    os.replace(tmp, path)
 
 
 def check_profile(cfg, device: torch.device) -> None:
@@ -53,7 +61,7 @@ class StepProfiler:
             yield
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the step's kernels belong to its trace
-        self._write(self.dir / f"step_{n:06d}" / f"rank{self.rank}.json", prof.export_chrome_trace)
+        write_by_name(self.dir / f"step_{n:06d}" / f"rank{self.rank}.json", prof.export_chrome_trace)
         if self.memory:
             self._snapshot(f"memory_step_{n:06d}")
 
@@ -67,14 +75,7 @@ class StepProfiler:
             raise
 
     def _snapshot(self, name: str) -> None:
-        self._write(self.dir / f"{name}_rank{self.rank}.pickle", torch.cuda.memory._dump_snapshot)
-
-    @staticmethod
-    def _write(path: Path, write) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        write(str(tmp))
-        os.replace(tmp, path)
+        write_by_name(self.dir / f"{name}_rank{self.rank}.pickle", torch.cuda.memory._dump_snapshot)
 
     def close(self) -> None:
         if self.memory:

@@ -418,7 +418,12 @@ def main():
     parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=65536)
-    parser.add_argument("--methods", nargs="+", help="only these methods (default: every one that runs here)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=[*METHODS, "sdpa_flash", "sdpa_cudnn", "fa4", "fa4_deterministic"],
+        help="only these methods (default: every one that runs here)",
+    )
     parser.add_argument("--tune", action="store_true", help="sweep our block configs instead")
     parser.add_argument(
         "--kernels", nargs="+", default=list(KERNELS), choices=KERNELS, help="with --tune: the passes to vary"

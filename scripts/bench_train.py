@@ -70,6 +70,7 @@ from run.determinism import configure_determinism  # noqa: E402
 from run.dist import gather_objects, init_distributed, shutdown, wait_for_rank0  # noqa: E402
 from run.parallel import needs_group_of_one, parallelize, shards_optimizers  # noqa: E402
 from run.preflight import check_config  # noqa: E402
+from run.profiling import HISTORY_ENTRIES, write_by_name  # noqa: E402
 from scripts.memory_peak import find_peak, summary  # noqa: E402
 from train import peak_memory_gb, train_step  # noqa: E402
 
@@ -77,8 +78,6 @@ register_configs()
 
 # H100 and H200 dense bf16: the denominator nanochat uses, so MFUs compare across projects.
 NANOCHAT_PEAK = 989e12
-# Allocator events kept by +memory_snapshot (a ring buffer: the oldest go first); a step makes far fewer.
-SNAPSHOT_ENTRIES = 2_000_000
 
 
 def model_config(preset: str) -> DictConfig:
@@ -211,14 +210,11 @@ def communication(prof, wall: float) -> dict:
 def record_memory(step, device, path: Path) -> str:
     """Run `step` with the CUDA caching allocator's history recorded, dump the snapshot to `path`, and return
     scripts/memory_peak.py's summary of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     # Python stacks only: sites are Python frames, and C++ unwinding would slow the step and bloat the file.
-    torch.cuda.memory._record_memory_history(
-        max_entries=SNAPSHOT_ENTRIES, stacks="python", clear_history=True
-    )
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python", clear_history=True)
     try:
         step()
-        torch.cuda.memory._dump_snapshot(str(path))
+        write_by_name(path, torch.cuda.memory._dump_snapshot)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     with open(path, "rb") as f:
