@@ -118,8 +118,8 @@ def forward(
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     for launch, tiles in tables:
         blocks = launch.blocks
-        if blocks.gluon and right == 0 and left >= T and hopper.supported(q, k, v):
-            hopper_forward.forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale, blocks)
+        if blocks.gluon and right == 0 and hopper.supported(q, k, v):
+            hopper_forward.forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale, blocks, left)
             continue
         k_desc, v_desc = tma_descriptors(blocks, blocks.n, BLOCK_D, k, v)
         _fwd_kernel[(tiles.shape[1], H)](

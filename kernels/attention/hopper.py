@@ -9,7 +9,9 @@ Three partitions per program:
   CTA-wide barrier (triton's own pipeliner puts one around every TMA issue). In the forward and dQ pass
   each issues the next key block's products before the current block's exponentials, so those run under
   a product (FlashAttention-3's overlap within a warpgroup).
-Head dim 128, causal over the whole past only: the blocks up to the diagonal, the last ones masked. The
+Head dim 128, causal: over the whole past, or in the forward and dQ pass over a window of the last `left`
+keys (the dK/dV pass takes the whole past only). A query tile visits the key blocks from its window's first
+one (`first_block`) to the diagonal; the last ones and those that reach past a row's window are masked. The
 passes run on the tile tables of plan.py (hopper_forward.py, hopper_backward.py).
 """
 
@@ -103,6 +105,19 @@ def table_entry(tile, tiles, n_tiles, cu_seqlens, n_docs, T, BM: gl.constexpr, B
     length = end - start
     r0 = block * BM
     return segment, start, length, r0, gl.cdiv(gl.minimum(r0 + BM, gl.where(segment < n_docs, length, 0)), BN)
+
+
+@gluon.jit
+def first_block(r0, left, BN: gl.constexpr):
+    """The first key block that a query tile from row r0 sees, when row r sees keys r - left .. r."""
+    return gl.maximum(r0 - left, 0) // BN
+
+
+@gluon.jit
+def needs_mask(block, last_block, last_row, left, BN: gl.constexpr):
+    """Whether key block `block` holds keys that some of the rows up to last_row do not see: keys after a
+    row (the tile's last blocks, from last_block on), or before its window."""
+    return (block >= last_block) | (block * BN < last_row - left)
 
 
 @gluon.jit

@@ -1,5 +1,6 @@
 """The dQ and dK/dV passes of long documents on Hopper in Gluon, warp-specialised (see hopper.py for the
-partitions); one program per entry of the tile table and head (dQ) or kv head (dK/dV).
+partitions); one program per entry of the tile table and head (dQ) or kv head (dK/dV). The dQ pass takes a
+window as the forward does; the dK/dV pass, the whole past only.
 """
 
 from triton.experimental import gluon
@@ -15,8 +16,10 @@ from kernels.attention.hopper import (
     LOG2E,
     MAX_REGISTERS,
     WARPS,
+    first_block,
     load_halves,
     mma_layout,
+    needs_mask,
     store_zeros,
     stream_pairs,
     table_entry,
@@ -31,14 +34,15 @@ from kernels.attention.hopper import (
 
 @gluon.jit
 def _dq_load_partition(args):
-    """One warp: Q and dO once, then K and V of each key block."""
+    """One warp: Q and dO once, then K and V of each key block the tile sees."""
     (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, dOut,
-     Lse, dLse, Delta, dQ, start, length, head, kv_head, r0, n_blocks, T, stride_t, qk_scale, sm_scale) = args
+     Lse, dLse, Delta, dQ, start, length, head, kv_head, r0, lo, n_blocks, left, T, stride_t, qk_scale,
+     sm_scale) = args
     mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
     load_halves(q_desc, qdo_smem, q_bar, start, length, head, r0, 0)
     load_halves(do_desc, qdo_smem, q_bar, start, length, head, r0, 2)
     stream_pairs(
-        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, 0, n_blocks, 0
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, lo, n_blocks, 0
     )
 
 
@@ -63,7 +67,8 @@ def _dq_partition(args, HALF_INDEX: gl.constexpr, HAS_DLSE: gl.constexpr):
     """One warpgroup: dQ of its 64 query rows, dQ = sum over key blocks of dS K with P = exp2(S - lse) and
     dS = P (dO V^T - delta). While dS K of a block runs, the next block's S and dP are computed."""
     (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, dOut,
-     Lse, dLse, Delta, dQ, start, length, head, kv_head, r0, n_blocks, T, stride_t, qk_scale, sm_scale) = args
+     Lse, dLse, Delta, dQ, start, length, head, kv_head, r0, lo, n_blocks, left, T, stride_t, qk_scale,
+     sm_scale) = args
     HALF: gl.constexpr = q_desc.block_type.shape[2]
     BN: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
@@ -76,6 +81,7 @@ def _dq_partition(args, HALF_INDEX: gl.constexpr, HAS_DLSE: gl.constexpr):
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
     first = r0 + HALF_INDEX * HALF
+    last_row = first + HALF - 1
     delta = _row_delta(Out, dOut, dLse, Delta, first + gl.arange(0, HALF, layout=gl.SliceLayout(1, blocked)),
                        start, head, length, T, stride_t, D, HAS_DLSE, blocked)
     delta = gl.convert_layout(delta, row_layout)
@@ -87,17 +93,19 @@ def _dq_partition(args, HALF_INDEX: gl.constexpr, HAS_DLSE: gl.constexpr):
     zeros = gl.zeros([HALF, BN], gl.float32, mma_s)
     mbarrier.wait(q_bar, 0)
 
+    # Ring entry i holds key block lo + i.
     mbarrier.wait(k_ready.index(0), 0)
     mbarrier.wait(v_ready.index(0), 0)
     s = warpgroup_mma(q, transposed_slot(k_smem, 0, BN, D), zeros, use_acc=False, is_async=True)
     dp = warpgroup_mma(do, transposed_slot(v_smem, 0, BN, D), zeros, use_acc=False, is_async=True)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    ds = _dq_scores(s, dp, lse, delta, rows, 0, r0, BN, qk_scale, col_layout, ds_layout, k_smem.dtype)
+    ds = _dq_scores(s, dp, lse, delta, rows, lo, r0, last_row, left, BN, qk_scale, col_layout, ds_layout,
+                    k_smem.dtype)
     dq = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_d))
-    for j in range(1, n_blocks):
-        slot = j % NS
-        prev = (j - 1) % NS
-        phase = (j // NS) & 1
+    for i in range(1, n_blocks - lo):
+        slot = i % NS
+        prev = (i - 1) % NS
+        phase = (i // NS) & 1
         mbarrier.wait(k_ready.index(slot), phase)
         s = warpgroup_mma(q, transposed_slot(k_smem, slot, BN, D), zeros, use_acc=False,
                           is_async=True)
@@ -106,11 +114,12 @@ def _dq_partition(args, HALF_INDEX: gl.constexpr, HAS_DLSE: gl.constexpr):
                            is_async=True)
         dq = warpgroup_mma(ds, k_smem.index(prev).reshape([BN, D]), dq, is_async=True)
         s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))
-        ds = _dq_scores(s, dp, lse, delta, rows, j, r0, BN, qk_scale, col_layout, ds_layout, k_smem.dtype)
+        ds = _dq_scores(s, dp, lse, delta, rows, lo + i, r0, last_row, left, BN, qk_scale, col_layout,
+                        ds_layout, k_smem.dtype)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         mbarrier.arrive(kv_free.index(prev), count=1)
         dq = warpgroup_mma_init(dq)
-    last = (n_blocks - 1) % NS
+    last = (n_blocks - lo - 1) % NS
     dq = warpgroup_mma(ds, k_smem.index(last).reshape([BN, D]), dq, is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
     mbarrier.arrive(kv_free.index(last), count=1)
@@ -122,14 +131,14 @@ def _dq_partition(args, HALF_INDEX: gl.constexpr, HAS_DLSE: gl.constexpr):
 
 
 @gluon.jit
-def _dq_scores(s, dp, lse, delta, rows, j, r0, BN: gl.constexpr, qk_scale, col_layout: gl.constexpr,
-               ds_layout: gl.constexpr, dtype: gl.constexpr):
-    """dS of key block j as the A operand of dS K; key blocks from the tile's first row on need the
-    causal mask."""
+def _dq_scores(s, dp, lse, delta, rows, j, r0, last_row, left, BN: gl.constexpr, qk_scale,
+               col_layout: gl.constexpr, ds_layout: gl.constexpr, dtype: gl.constexpr):
+    """dS of key block j as the A operand of dS K; key blocks from the tile's first row r0 on need the
+    causal mask, and those before a row's window the window's."""
     p = gl.exp2(s * qk_scale - lse[:, None])
-    if (j + 1) * BN > r0:
+    if needs_mask(j, r0 // BN, last_row, left, BN):
         cols = j * BN + gl.arange(0, BN, layout=col_layout)
-        p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+        p = gl.where((cols[None, :] <= rows[:, None]) & (cols[None, :] >= rows[:, None] - left), p, 0.0)
     ds = p * (dp - delta[:, None])
     return gl.convert_layout(ds.to(dtype), ds_layout)
 
@@ -147,7 +156,7 @@ def _dq_second_partition_dlse(args):
 @gluon.jit
 def _dq_long_kernel(
     q_desc, do_desc, k_desc, v_desc, Out, dOut, Lse, dLse, Delta, dQ, tiles, n_tiles, cu_seqlens, n_docs, T,
-    stride_t, group, qk_scale, sm_scale, HAS_DLSE: gl.constexpr, STAGES: gl.constexpr,
+    stride_t, group, qk_scale, sm_scale, left, HAS_DLSE: gl.constexpr, STAGES: gl.constexpr,
 ):
     HALF: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
@@ -165,8 +174,9 @@ def _dq_long_kernel(
     k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = tile_ring(k_desc, v_desc, STAGES)
 
     args = (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out,
-            dOut, Lse, dLse, Delta, dQ, start, length, head, head // group, r0, n_blocks, T, stride_t,
-            qk_scale, sm_scale)
+            dOut, Lse, dLse, Delta, dQ, start, length, head, head // group, r0,
+            first_block(r0, left, k_desc.block_type.shape[2]), n_blocks, left, T, stride_t, qk_scale,
+            sm_scale)
     if HAS_DLSE:
         gl.warp_specialize([
             (_dq_partition, (args, 0, True)),
@@ -320,8 +330,11 @@ def _dkdv_kernel(
     ], [4, 1], [240, 24])
 
 
-def backward_dq(dout, q, k, v, out, lse, dlse, delta, dq, tiles, cu_seqlens, softmax_scale: float, blocks):
-    """Writes dq [T, H, D] and delta [H, T] (as backward.py's dQ pass) for the query tiles of `tiles`."""
+def backward_dq(
+    dout, q, k, v, out, lse, dlse, delta, dq, tiles, cu_seqlens, softmax_scale: float, blocks, left: int
+):
+    """Writes dq [T, H, D] and delta [H, T] (as backward.py's dQ pass) for the query tiles of `tiles`,
+    causal with query i seeing keys i - left .. i (left >= T: the whole past)."""
     T, H, D = q.shape
     if (blocks.m, blocks.n, blocks.warps) != (128, 64, 8):
         raise ValueError(f"the Gluon dQ pass runs 64-key blocks and two 64-row warpgroups, not {blocks}")
@@ -332,7 +345,7 @@ def backward_dq(dout, q, k, v, out, lse, dlse, delta, dq, tiles, cu_seqlens, sof
         tma_descriptor(q, blocks.m // 2), tma_descriptor(dout, blocks.m // 2), tma_descriptor(k, blocks.n),
         tma_descriptor(v, blocks.n), out, dout, lse, lse if dlse is None else dlse, delta, dq, tiles, n_tiles,
         cu_seqlens, cu_seqlens.numel() - 1, T, dq.stride(0), H // k.shape[1], softmax_scale * LOG2E.value,
-        softmax_scale, HAS_DLSE=dlse is not None, STAGES=blocks.stages, num_warps=WARPS,
+        softmax_scale, left, HAS_DLSE=dlse is not None, STAGES=blocks.stages, num_warps=WARPS,
         maxnreg=MAX_REGISTERS,
     )
 

@@ -24,8 +24,10 @@ from kernels.attention.hopper import (
     LOG2E,
     MAX_REGISTERS,
     WARPS,
+    first_block,
     load_halves,
     mma_layout,
+    needs_mask,
     store_zeros,
     stream_pairs,
     table_entry,
@@ -70,7 +72,7 @@ def _load_partition(args):
     are done with the last one, then K and V of each key block."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
      item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
-     qk_scale) = args
+     qk_scale, left) = args
     HALF: gl.constexpr = q_desc.block_type.shape[2]
     BN: gl.constexpr = k_desc.block_type.shape[2]
     j = 0  # K/V pairs through the ring
@@ -88,8 +90,8 @@ def _load_partition(args):
             mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
             load_halves(q_desc, q_smem, q_bar, start, length, head, r0, 0)
             j = stream_pairs(
-                k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, head // group, 0,
-                n_blocks, j,
+                k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, head // group,
+                first_block(r0, left, BN), n_blocks, j,
             )
             n_q += 1
         i += 1
@@ -102,7 +104,7 @@ def _softmax_partition(args, HALF_INDEX: gl.constexpr):
     """One warpgroup: 64 query rows of each item the load warp hands over."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
      item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
-     qk_scale) = args
+     qk_scale, left) = args
     HALF: gl.constexpr = q_desc.block_type.shape[2]
     BN: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
@@ -118,9 +120,10 @@ def _softmax_partition(args, HALF_INDEX: gl.constexpr):
         if n_blocks == 0:
             _store_empty(Out, Lse, start, head, stride_ot, T, r0 + HALF_INDEX * HALF, length, HALF, D)
         else:
+            lo = first_block(r0, left, BN)
             _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length,
-                    head, r0, n_blocks, T, stride_ot, qk_scale, j, n_q, HALF_INDEX)
-            j += n_blocks
+                    head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j, n_q, HALF_INDEX)
+            j += n_blocks - lo
             n_q += 1
         i += 1
         w = _take_over(items, item_ready, item_free, i)
@@ -128,9 +131,9 @@ def _softmax_partition(args, HALF_INDEX: gl.constexpr):
 
 @gluon.jit
 def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length, head,
-            r0, n_blocks, T, stride_ot, qk_scale, j0, n_q, HALF_INDEX: gl.constexpr):
-    """Online softmax of the warpgroup's 64 rows of the query tile from row r0 over its n_blocks key blocks,
-    which are ring entries j0.., then out and lse."""
+            r0, lo, n_blocks, left, T, stride_ot, qk_scale, j0, n_q, HALF_INDEX: gl.constexpr):
+    """Online softmax of the warpgroup's 64 rows of the query tile from row r0 over its key blocks lo ..
+    n_blocks - 1, which are ring entries j0.., then out and lse."""
     HALF: gl.constexpr = q_smem.type.shape[3]  # Q and the ring hold [1, 1, rows, 1, D] TMA blocks
     BN: gl.constexpr = k_smem.type.shape[3]
     D: gl.constexpr = k_smem.type.shape[5]
@@ -140,32 +143,36 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma)
 
-    rows = r0 + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_layout)
+    first = r0 + HALF_INDEX * HALF
+    rows = first + gl.arange(0, HALF, layout=row_layout)
+    last_row = first + HALF - 1
     q = q_smem.index(HALF_INDEX).reshape([HALF, D])
     zeros = gl.zeros([HALF, BN], gl.float32, mma)
+    count = n_blocks - lo
     mbarrier.wait(q_bar, n_q & 1)
 
-    # Block 0 alone; then each step issues S = Q K^T of block j and P V of block j - 1 together, and
+    # Block lo alone; then each step issues S = Q K^T of block j and P V of block j - 1 together, and
     # computes block j's softmax while P V runs (FlashAttention-3's overlap within a warpgroup).
     mbarrier.wait(k_ready.index(j0 % NS), (j0 // NS) & 1)
     s = warpgroup_mma(q, transposed_slot(k_smem, j0 % NS, BN, D), zeros, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    s = _mask_diagonal(s, rows, 0, n_blocks, BN, col_layout)
-    m_i = gl.max(s, 1) * qk_scale
+    s = _mask(s, rows, lo, n_blocks, last_row, left, BN, col_layout)
+    # A finite floor for rows that see none of the window's first block keeps exp2(m_i - m_new) finite.
+    m_i = gl.maximum(gl.max(s, 1) * qk_scale, -1.0e30)
     p = gl.exp2(s * qk_scale - m_i[:, None])
     l_i = gl.sum(p, 1)
     p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     # The loop carries acc as an accumulator that a product may still be writing.
     acc = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma))
-    for j in range(1, n_blocks):
-        slot = (j0 + j) % NS
-        prev = (j0 + j - 1) % NS
-        mbarrier.wait(k_ready.index(slot), ((j0 + j) // NS) & 1)
+    for i in range(1, count):
+        slot = (j0 + i) % NS
+        prev = (j0 + i - 1) % NS
+        mbarrier.wait(k_ready.index(slot), ((j0 + i) // NS) & 1)
         s = warpgroup_mma(q, transposed_slot(k_smem, slot, BN, D), zeros, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j0 + j - 1) // NS) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j0 + i - 1) // NS) & 1)
         acc = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        s = _mask_diagonal(s, rows, j, n_blocks, BN, col_layout)
+        s = _mask(s, rows, lo + i, n_blocks, last_row, left, BN, col_layout)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -177,8 +184,8 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
         acc = warpgroup_mma_init(acc * alpha[:, None])
     # Every product that reads Q is done: the load warp may bring the next item's.
     mbarrier.arrive(q_free, count=1)
-    last = (j0 + n_blocks - 1) % NS
-    mbarrier.wait(v_ready.index(last), ((j0 + n_blocks - 1) // NS) & 1)
+    last = (j0 + count - 1) % NS
+    mbarrier.wait(v_ready.index(last), ((j0 + count - 1) // NS) & 1)
     acc = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(kv_free.index(last), count=1)
@@ -192,11 +199,13 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
 
 
 @gluon.jit
-def _mask_diagonal(s, rows, j, n_blocks, BN: gl.constexpr, col_layout: gl.constexpr):
-    """Causal mask on the last key block, the only one that holds keys after some query of the tile."""
-    if j == n_blocks - 1:
+def _mask(s, rows, j, n_blocks, last_row, left, BN: gl.constexpr, col_layout: gl.constexpr):
+    """Scores of key block j with the keys a row does not see at -inf: after it (the last block holds the
+    diagonal), or before its window."""
+    if needs_mask(j, n_blocks - 1, last_row, left, BN):
         cols = j * BN + gl.arange(0, BN, layout=col_layout)
-        s = gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+        seen = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= rows[:, None] - left)
+        s = gl.where(seen, s, float("-inf"))
     return s
 
 
@@ -208,7 +217,7 @@ def _second_softmax_partition(args):
 @gluon.jit
 def _fwd_persistent_kernel(
     q_desc, k_desc, v_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group, qk_scale,
-    Counter, STAGES: gl.constexpr,
+    left, Counter, STAGES: gl.constexpr,
 ):
     """Persistent: each program runs items (query tile, head) claimed from Counter until none is left."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -224,7 +233,7 @@ def _fwd_persistent_kernel(
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
             item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H,
-            group, qk_scale)
+            group, qk_scale, left)
     gl.warp_specialize([
         (_softmax_partition, (args, 0)),
         (_second_softmax_partition, (args, )),
@@ -242,9 +251,9 @@ def _store_empty(Out, Lse, start, head, stride_ot, T, r0, q_len, BM: gl.constexp
     gl.store(Lse + head * T + start + rows, minus_inf, mask=rows < q_len)
 
 
-def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks) -> None:
+def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks, left: int) -> None:
     """Writes out [T, H, D] and lse [H, T] (as forward.py's kernel) for the query tiles of `tiles`, whose
-    blocks are blocks.m rows."""
+    blocks are blocks.m rows, causal with query i seeing keys i - left .. i (left >= T: the whole past)."""
     T, H, D = q.shape
     if (blocks.m, blocks.n, blocks.warps) != (128, HEAD_DIM, 8):
         raise ValueError(f"the Gluon forward runs 128-key blocks and two 64-row warpgroups, not {blocks}")
@@ -255,5 +264,6 @@ def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks) 
     _fwd_persistent_kernel[(programs,)](
         tma_descriptor(q, blocks.m // 2), tma_descriptor(k, blocks.n), tma_descriptor(v, blocks.n), out, lse,
         tiles, n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H, H // k.shape[1],
-        softmax_scale * LOG2E.value, counter, STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+        softmax_scale * LOG2E.value, left, counter, STAGES=blocks.stages, num_warps=WARPS,
+        maxnreg=MAX_REGISTERS,
     )

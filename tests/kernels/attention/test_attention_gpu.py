@@ -72,6 +72,7 @@ CASES = [  # mix, head dim, heads, kv heads, window
     ("a_nanochat", 64, 16, 16, (-1, 0)),
     ("b_short", 128, 16, 4, (-1, 0)),
     ("a_nanochat", 128, 16, 16, (512, 0)),
+    ("long", 128, 16, 4, (700, 0)),  # a window that is no multiple of the blocks, GQA
     ("long", 64, 16, 2, (1024, 0)),
     ("long", 128, 16, 16, (-1, 0)),
     ("b_short", 96, 16, 8, (-1, 0)),  # padded head dim
@@ -173,11 +174,13 @@ def test_compiled_model_has_no_graph_break_and_no_recompile():
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper"
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gluon_kernels_agree_with_triton_kernels(dtype, monkeypatch):
+@pytest.mark.parametrize("left", [-1, 512, 100], ids=["past", "w512", "w100"])
+def test_gluon_kernels_agree_with_triton_kernels(dtype, left, monkeypatch):
     """The warp-specialised long-document forward, dQ and dK/dV passes against the Triton kernels they
-    replace, with GQA: the forward and dV are the same sums in the same order (bitwise equal); the dQ pass
-    sums delta in another order, so dQ and dK agree to rounding. A tail of 3,000 tokens past the last
-    document."""
+    replace, with GQA, over the whole past and causal windows (one shorter than a key block, so that some
+    blocks hold no key of some rows): the forward and dV are the same sums in the same order (bitwise
+    equal); the dQ pass sums delta in another order, so dQ and dK agree to rounding. A tail of 3,000 tokens
+    past the last document."""
     lengths = [9000, 2049, 30000, 100, 4500, 17000, 2047]
     q, k, v, cu = make_inputs(lengths, 16, 4, 128, dtype)
     cu = cu[:-1].contiguous()
@@ -185,8 +188,8 @@ def test_gluon_kernels_agree_with_triton_kernels(dtype, monkeypatch):
     assert hopper.supported(q, k, v, dout)
 
     def run():
-        out, lse = forward(q, k, v, cu, -1, 0, 128**-0.5)
-        return out, lse, *backward(dout, q, k, v, out, lse, None, cu, -1, 0, 128**-0.5)
+        out, lse = forward(q, k, v, cu, left, 0, 128**-0.5)
+        return out, lse, *backward(dout, q, k, v, out, lse, None, cu, left, 0, 128**-0.5)
 
     gluon, again = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(gluon, again, strict=True))
