@@ -301,7 +301,6 @@ def backward(
             dtype=q.dtype, device=q.device,
         )
 
-    # The Gluon dQ pass takes causal windows; the Gluon dK/dV pass, the whole past only.
     gluon = right == 0 and hopper.supported(q, k, v, dout) and out.is_contiguous() and dout.is_contiguous()
     for launch, tiles in tables:
         blocks, grid = launch.blocks, (tiles.shape[1], H)
@@ -326,9 +325,9 @@ def backward(
                 BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=blocks.n, HAS_DLSE=dlse is not None,
                 TMA=k_desc is not None, num_warps=blocks.warps, num_stages=blocks.stages,
             )
-        elif launch.kernel == "dkdv" and blocks.gluon and gluon and left >= T and not store_ds:
+        elif launch.kernel == "dkdv" and blocks.gluon and gluon and not store_ds:
             hopper_backward.backward_dkdv(
-                dout, q, k, v, lse, delta, dk, dv, tiles, cu_seqlens, softmax_scale, blocks
+                dout, q, k, v, lse, delta, dk, dv, tiles, cu_seqlens, softmax_scale, blocks, left
             )
         elif launch.kernel == "dkdv":
             q_desc, do_desc = tma_descriptors(blocks, blocks.m, BLOCK_D, q, dout)

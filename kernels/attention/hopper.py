@@ -9,10 +9,10 @@ Three partitions per program:
   CTA-wide barrier (triton's own pipeliner puts one around every TMA issue). In the forward and dQ pass
   each issues the next key block's products before the current block's exponentials, so those run under
   a product (FlashAttention-3's overlap within a warpgroup).
-Head dim 128, causal: over the whole past, or in the forward and dQ pass over a window of the last `left`
-keys (the dK/dV pass takes the whole past only). A query tile visits the key blocks from its window's first
-one (`first_block`) to the diagonal; the last ones and those that reach past a row's window are masked. The
-passes run on the tile tables of plan.py (hopper_forward.py, hopper_backward.py).
+Head dim 128, causal, over the whole past or a window of the last `left` keys: a query tile visits the key
+blocks from its window's first one (`first_block`) to the diagonal, a key tile the query blocks from the
+diagonal to its window's end; the blocks on the diagonal and at the window's edge are masked. The passes
+run on the tile tables of plan.py (hopper_forward.py, hopper_backward.py).
 """
 
 import torch

@@ -1,6 +1,6 @@
 """The dQ and dK/dV passes of long documents on Hopper in Gluon, warp-specialised (see hopper.py for the
-partitions); one program per entry of the tile table and head (dQ) or kv head (dK/dV). The dQ pass takes a
-window as the forward does; the dK/dV pass, the whole past only.
+partitions); one program per entry of the tile table and head (dQ) or kv head (dK/dV). Both take causal
+windows as the forward does.
 """
 
 from triton.experimental import gluon
@@ -210,7 +210,8 @@ def _dq_empty(Out, dOut, dLse, Delta, dQ, start, head, r0, length, T, stride_t, 
 def _dkdv_load_partition(args):
     """One warp: K and V of the tile once, then Q and dO of each query block of each head of the group."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, kv_bar, q_ready, do_ready, qdo_free, Lse,
-     Delta, dK, dV, start, length, kv_head, group, c0, q_lo, n_q, T, stride_kvt, qk_scale, sm_scale) = args
+     Delta, dK, dV, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale,
+     sm_scale) = args
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     load_halves(k_desc, kv_smem, kv_bar, start, length, kv_head, c0, 0)
     load_halves(v_desc, kv_smem, kv_bar, start, length, kv_head, c0, 2)
@@ -223,9 +224,13 @@ def _dkdv_load_partition(args):
 @gluon.jit
 def _dkdv_partition(args, WG: gl.constexpr):
     """Warpgroup WG: dV = sum over query blocks of P^T dO and dK = sum of dS^T Q for keys
-    c0 + 64 WG .. c0 + 64 WG + 63, computed transposed ([keys, queries]) so that the keys stay rows."""
+    c0 + 64 WG .. c0 + 64 WG + 63, computed transposed ([keys, queries]) so that the keys stay rows. Of the
+    query blocks q_lo .. n_q - 1 that the load warp streams, a warpgroup skips those that see none of its
+    keys: the first for WG 1 (its keys come after every query there), the last under a window for WG 0
+    (their queries' windows end before its keys)."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, kv_bar, q_ready, do_ready, qdo_free, Lse,
-     Delta, dK, dV, start, length, kv_head, group, c0, q_lo, n_q, T, stride_kvt, qk_scale, sm_scale) = args
+     Delta, dK, dV, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale,
+     sm_scale) = args
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
@@ -237,6 +242,9 @@ def _dkdv_partition(args, WG: gl.constexpr):
     vector: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
 
     first_key = c0 + WG * HALF
+    last_key = first_key + HALF - 1
+    # The query blocks whose rows see some of these keys end with the one that holds last_key + left.
+    q_hi = gl.minimum(gl.cdiv(last_key + 1 + left, BM), n_q)
     keys = first_key + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_s))
     k = kv_smem.index(WG).reshape([HALF, D])
     v = kv_smem.index(2 + WG).reshape([HALF, D])
@@ -253,7 +261,7 @@ def _dkdv_partition(args, WG: gl.constexpr):
             mbarrier.wait(q_ready.index(j % NS), (j // NS) & 1)
             mbarrier.arrive(qdo_free.index(j % NS), count=1)
             j += 1
-        for qb in range(q_lo + WG, n_q):
+        for qb in range(q_lo + WG, q_hi):
             slot = j % NS
             phase = (j // NS) & 1
             q = q_smem.index(slot).reshape([BM, D])
@@ -271,9 +279,12 @@ def _dkdv_partition(args, WG: gl.constexpr):
             delta = gl.load(Delta + head * T + start + queries, mask=ok, other=0.0)
             s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
             p = gl.exp2(s * qk_scale - gl.convert_layout(lse, query_layout)[None, :])
-            if qb * BM < first_key + HALF:  # the diagonal block: keys after a query are masked
+            # Masked: the diagonal blocks (queries before some key) and those at the window's end (queries
+            # whose window begins after some key).
+            if (qb * BM < last_key) | (qb * BM + BM - 1 > first_key + left):
                 cols = qb * BM + gl.arange(0, BM, layout=query_layout)
-                p = gl.where(cols[None, :] >= keys[:, None], p, 0.0)
+                seen = (cols[None, :] >= keys[:, None]) & (cols[None, :] <= keys[:, None] + left)
+                p = gl.where(seen, p, 0.0)
             ds = p * (dp - gl.convert_layout(delta, query_layout)[None, :])
             dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds.to(q_desc.dtype), operand), q, dk, is_async=True)
@@ -281,6 +292,10 @@ def _dkdv_partition(args, WG: gl.constexpr):
             mbarrier.arrive(qdo_free.index(slot), count=1)
             dv = warpgroup_mma_init(dv)
             dk = warpgroup_mma_init(dk)
+            j += 1
+        for _ in range(q_hi, n_q):
+            mbarrier.wait(q_ready.index(j % NS), (j // NS) & 1)
+            mbarrier.arrive(qdo_free.index(j % NS), count=1)
             j += 1
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
 
@@ -300,7 +315,7 @@ def _dkdv_second_partition(args):
 @gluon.jit
 def _dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, Lse, Delta, dK, dV, tiles, n_tiles, cu_seqlens, n_docs, T, stride_kvt,
-    group, qk_scale, sm_scale, STAGES: gl.constexpr,
+    group, qk_scale, sm_scale, left, STAGES: gl.constexpr,
 ):
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HALF: gl.constexpr = k_desc.block_type.shape[2]
@@ -319,10 +334,12 @@ def _dkdv_kernel(
 
     q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_free = tile_ring(q_desc, do_desc, STAGES)
     kv_smem = gl.allocate_shared_memory(k_desc.dtype, [4] + k_desc.block_type.shape, k_desc.layout)
-    # Under the causal mask the tile's keys are seen by query blocks c0 / BM .. n_q - 1.
+    # The tile's keys are seen by query blocks c0 / BM .. n_q - 1: up to the one that holds its last key
+    # plus the window.
+    n_q = gl.cdiv(gl.minimum(c0 + 2 * HALF + left, length), BM)
     args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, kv_bar, q_ready, do_ready, qdo_free,
-            Lse, Delta, dK, dV, start, length, kv_head, group, c0, c0 // BM, gl.cdiv(length, BM), T,
-            stride_kvt, qk_scale, sm_scale)
+            Lse, Delta, dK, dV, start, length, kv_head, group, c0, c0 // BM, n_q, left, T, stride_kvt,
+            qk_scale, sm_scale)
     gl.warp_specialize([
         (_dkdv_partition, (args, 0)),
         (_dkdv_second_partition, (args, )),
@@ -350,8 +367,11 @@ def backward_dq(
     )
 
 
-def backward_dkdv(dout, q, k, v, lse, delta, dk, dv, tiles, cu_seqlens, softmax_scale: float, blocks) -> None:
-    """Writes dk and dv [T, H_kv, D] (as backward.py's dK/dV pass) for the key tiles of `tiles`."""
+def backward_dkdv(
+    dout, q, k, v, lse, delta, dk, dv, tiles, cu_seqlens, softmax_scale: float, blocks, left: int
+) -> None:
+    """Writes dk and dv [T, H_kv, D] (as backward.py's dK/dV pass) for the key tiles of `tiles`, causal with
+    query i seeing keys i - left .. i (left >= T: the whole past)."""
     T, H, D = q.shape
     if (blocks.m, blocks.n, blocks.warps) != (64, 128, 8):
         raise ValueError(f"the Gluon dK/dV pass runs 64-query blocks and two 64-key warpgroups, not {blocks}")
@@ -360,5 +380,5 @@ def backward_dkdv(dout, q, k, v, lse, delta, dk, dv, tiles, cu_seqlens, softmax_
         tma_descriptor(q, blocks.m), tma_descriptor(dout, blocks.m), tma_descriptor(k, blocks.n // 2),
         tma_descriptor(v, blocks.n // 2), lse, delta, dk, dv, tiles, n_tiles, cu_seqlens,
         cu_seqlens.numel() - 1, T, dk.stride(0), H // k.shape[1], softmax_scale * LOG2E.value, softmax_scale,
-        STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+        left, STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
     )
