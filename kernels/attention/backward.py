@@ -202,8 +202,9 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _ds_slot(DocSlots, segment, block, q_len, BM_KV: tl.constexpr, BLOCK_N: tl.constexpr):
     """First dS slot of key block `block` of a document. Under a causal mask with the whole past visible,
-    key block b is seen by query blocks b R .. n_q - 1 (R = BLOCK_N / BM_KV), so it writes n_q - b R slots,
-    and the document's key blocks before it wrote b n_q - R b (b - 1) / 2."""
+    key block b is seen by query blocks b R .. n_q - 1 (R = BLOCK_N / BM_KV), so it takes n_q - b R slots,
+    and the document's key blocks before it took b n_q - R b (b - 1) / 2. A window leaves the last of a key
+    block's slots unwritten: the layout is the same."""
     n_q = tl.cdiv(q_len, BM_KV)
     r = BLOCK_N // BM_KV
     return tl.load(DocSlots + segment) + block * n_q - r * block * (block - 1) // 2
@@ -237,11 +238,12 @@ def _bwd_delta_kernel(
 @triton.jit
 def _bwd_dq_stored_kernel(
     K, DS, DocSlots, dQ, tiles, n_tiles, cu_seqlens, n_docs, T, n_slots, stride_kt, stride_kh, stride_dqt,
-    stride_dqh, group, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    stride_dqh, group, left, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BM_KV: tl.constexpr,
 ):
     """dQ = sum over key blocks of dS K, with dS as the dK/dV pass stored it: one matrix product per block
-    pair instead of three. This query block's rows are BLOCK_M / BM_KV consecutive slots of each key block."""
+    pair instead of three. This query block's rows are BLOCK_M / BM_KV consecutive slots of each key block,
+    from the first key block that its rows' windows reach (query i sees keys i - left .. i)."""
     segment, block, first, q_len, k_len = program_tile(tiles, n_tiles, cu_seqlens, n_docs, T)
     if segment < 0:
         return
@@ -253,13 +255,16 @@ def _bwd_dq_stored_kernel(
     rows = r0 + tl.arange(0, BLOCK_M)
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for kb in range(0, tl.cdiv(tl.minimum(r0 + BLOCK_M, k_len), BLOCK_N)):
+    for kb in range(tl.maximum(r0 - left, 0) // BLOCK_N, tl.cdiv(tl.minimum(r0 + BLOCK_M, k_len), BLOCK_N)):
         cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         k = load_rows(k_base, cols, stride_kt, k_len, HEAD_DIM, BLOCK_D, True)
         slot = _ds_slot(DocSlots, segment, kb, q_len, BM_KV, BLOCK_N) + r0 // BM_KV - kb * (BLOCK_N // BM_KV)
-        # Rows past the document's end would read the next slots, which may hold anything: skip them.
+        # The dK/dV pass wrote the slots of the query blocks that see the key block: up to the one that holds
+        # its last key plus the window. The others, and rows past the document's end, would read slots that
+        # may hold anything: their dS is zero.
+        seen = tl.cdiv(tl.minimum(tl.minimum(kb * BLOCK_N + BLOCK_N, k_len) + left, q_len), BM_KV) * BM_KV
         ds_ptrs = DS + (head * n_slots + slot).to(tl.int64) * (BM_KV * BLOCK_N) + tile
-        ds = tl.load(ds_ptrs, mask=rows[:, None] < q_len, other=0.0)
+        ds = tl.load(ds_ptrs, mask=rows[:, None] < tl.minimum(seen, q_len), other=0.0)
         dq = tl.dot(ds, k, dq)
     store_rows(
         dQ + start * stride_dqt + head * stride_dqh, rows, stride_dqt, q_len,
@@ -274,10 +279,10 @@ def backward(
     """(dq, dk, dv) shaped like (q, k, v). dlse, the gradient on lse, may be None; plan and max_seqlen as
     in `forward`.
 
-    Causal attention over the whole past (flash-attn's default) takes the short documents' dQ from the dS
-    that their dK/dV pass stores (bf16, about longest * T * H / 2 values for documents of up to `longest`
-    tokens, the first dK/dV length class), instead of recomputing S and dP in a pass of its own. Other
-    windows, and longer documents, take the recomputing dQ pass."""
+    Causal attention (over the whole past or a window) takes the short documents' dQ from the dS that their
+    dK/dV pass stores (bf16, about longest * T * H / 2 values for documents of up to `longest` tokens, the
+    first dK/dV length class), instead of recomputing S and dP in a pass of its own. Two-sided windows, and
+    longer documents, take the recomputing dQ pass."""
     T, H, D = q.shape
     H_kv = k.shape[1]
     check_launch(dout, q, k, v, out)
@@ -343,7 +348,7 @@ def backward(
         elif launch.kernel == "dq_stored":
             _bwd_dq_stored_kernel[grid](
                 k, ds, slots, dq, tiles, tiles.shape[1], cu_seqlens, n_docs, T, n_slots, k.stride(0),
-                k.stride(1), dq.stride(0), dq.stride(1), H // H_kv, softmax_scale, HEAD_DIM=D,
+                k.stride(1), dq.stride(0), dq.stride(1), H // H_kv, left, softmax_scale, HEAD_DIM=D,
                 BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=store_blocks.n, BM_KV=store_blocks.m,
                 num_warps=blocks.warps, num_stages=blocks.stages,
             )

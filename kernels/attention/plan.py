@@ -113,7 +113,7 @@ class _Launch(NamedTuple):
 def _stored_longest(config: Config, left: int, right: int) -> int:
     """Longest document whose dQ comes from the dS stored by its dK/dV pass (see `backward`); 0 for none."""
     longest = config["dkdv"][0][0]
-    if "dq_stored" in config and longest is not None and right == 0 and left >= longest:
+    if "dq_stored" in config and longest is not None and right == 0:
         return longest
     return 0
 

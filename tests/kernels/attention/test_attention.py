@@ -162,6 +162,32 @@ def test_matches_reference(mix, window, d, heads, kv_heads, dtype):
         assert torch.equal(x[end:], torch.zeros_like(x[end:]))
 
 
+@pytest.mark.parametrize("window", [(-1, 0), (24, 0), (5, 0)], ids=["causal", "sliding", "narrow"])
+def test_passes_read_only_what_they_wrote(window, monkeypatch):
+    """Every float buffer that torch.empty(_like) makes while the passes run starts as NaN (the stored dS
+    among them, whose slots a window leaves partly unwritten): a pass that read memory no pass wrote would
+    carry NaN into the gradients. Documents of the stored-dS length class and longer ones."""
+    lengths = [34, 0, 23, 31, 56, 3, 26, 5, 1]
+    q, k, v, cu = make_inputs(lengths, 64, 4, 2, torch.float32)
+    dout = torch.randn(T, 4, 64)
+    want = run_reference(q, k, v, cu, window, 0.125, dout)
+
+    def poisoned(make):
+        def make_nan(*args, **kwargs):
+            x = make(*args, **kwargs)
+            return x.fill_(float("nan")) if x.is_floating_point() else x
+
+        return make_nan
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+    got = run_kernel(q, k, v, cu, window, 0.125, dout)
+    monkeypatch.undo()
+    for name, x, ref in zip(["out", "dq", "dk", "dv"], got[:1] + got[2:], want[:1] + want[2:], strict=True):
+        assert torch.isfinite(x).all(), name
+        assert rel_err(x, ref) < 1e-5, (name, rel_err(x, ref))
+
+
 def test_lse_gradient():
     q, k, v, cu = make_inputs(MIXES["edges"], 64, 4, 2, torch.float32)
     dout, dlse = torch.randn(T, 4, 64), torch.randn(4, T)
@@ -225,7 +251,8 @@ def test_compile_has_no_graph_break_and_no_recompile():
             w: flash_attn_plan(cu_seqlens, n, d, window_size=(w, 0)) if shared else None for w in (-1, 16)
         }
         x = q
-        for w in (-1, 16, -1):  # the full causal window takes the stored-dS backward, 16 the recomputing one
+        # Documents of up to 56 tokens take the stored-dS backward, the 64-token one the recomputing dQ pass.
+        for w in (-1, 16, -1):
             x = flash_attn_varlen(x, k, v, cu_seqlens, max_seqlen, window_size=(w, 0), plan=plans[w])
         return x.float().square().sum()
 
