@@ -111,6 +111,33 @@ def test_bf16_matches_fp32_reference_and_varlen_attn(mix, d, heads, kv_heads, wi
         )
 
 
+@pytest.mark.parametrize("left", [-1, 512, 100], ids=["past", "w512", "w100"])
+def test_passes_read_only_what_they_wrote(left, monkeypatch):
+    """As the CPU test of the same name, at the GPU's block sizes: every float buffer that torch.empty(_like)
+    makes while the passes run starts as NaN, so a pass that read memory no pass wrote (a dS slot that a
+    window leaves unwritten, a tail row) would carry NaN into the gradients. Documents of the stored-dS class
+    and longer ones, GQA."""
+    q, k, v, cu = make_inputs(LONG, 16, 4, 128)
+    dout = torch.randn(T, 16, 128, device="cuda", dtype=torch.bfloat16)
+    want = grads(reference((left, 0)), q.float(), k.float(), v.float(), cu, dout.float())
+
+    def poisoned(make):
+        def make_nan(*args, **kwargs):
+            x = make(*args, **kwargs)
+            return x.fill_(float("nan")) if x.is_floating_point() else x
+
+        return make_nan
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+    got = grads(ours((left, 0)), q, k, v, cu, dout)
+    monkeypatch.undo()
+    end = sum(LONG)
+    for x, ref in zip(got[:1] + got[2:], want[:1] + want[2:], strict=True):
+        assert torch.isfinite(x).all()
+        assert rel_err(x[:end], ref[:end]) < 2e-2
+
+
 def test_fp16():
     q, k, v, cu = make_inputs(lengths_of("a_nanochat"), 16, 8, 128, torch.float16)
     out = flash_attn_varlen(q, k, v, cu, 2048, causal=True)
