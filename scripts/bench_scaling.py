@@ -4,7 +4,7 @@ then tokens/s per GPU against one GPU, memory per rank and exposed communication
     python scripts/bench_scaling.py --gpus 1 2 4 8 --modes ddp zero fsdp --out benchmarks/scaling_h200_x8 -- \
         data.source='corpus/*.parquet' data.vocab_size=32768 data.tokens_per_micro_batch=65536 \
         data.max_seqlen=2048 data.max_num_docs=384 total_batch_tokens=524288 +models=[d12,d20] \
-        +backends=[triton] +warmup=2 +steps=4 +profile=true
+        +backends=[triton] +warmup=2 +steps=4 +profile_step=true
 
 Every run is `torchrun --standalone --nproc_per_node=N scripts/bench_train.py OVERRIDES parallel=MODE
 +out=OUT/train_MODE_xN.json`, one after the other, so each has the node to itself; the overrides after `--`
@@ -72,7 +72,7 @@ def ratio(per_gpu: float, base: dict | None) -> str:
 
 def communication(row: dict) -> str:
     """NCCL kernel time of rank 0's profiled step, and the part no other kernel overlapped, then the least
-    and most exposed of all ranks where recorded (CUDA runs with +profile=true and several ranks)."""
+    and most exposed of all ranks where recorded (CUDA runs with +profile_step=true and several ranks)."""
     if not row.get("comm_s"):
         return "-"
     comm, exposed = row["comm_s"] * 1e3, row["exposed_comm_s"] * 1e3

@@ -4,7 +4,7 @@ under torchrun.
     python scripts/bench_train.py data.source='corpus/*.parquet' data.vocab_size=32768 \
         data.tokens_per_micro_batch=65536 data.max_seqlen=2048 data.max_num_docs=256 \
         total_batch_tokens=524288 +models=[d12,d20] +backends=[triton,flex,torch_varlen,sdpa_packed] \
-        +warmup=3 +steps=10 [+out=FILE.json] [+profile=true] [+memory_snapshot=DIR]
+        +warmup=3 +steps=10 [+out=FILE.json] [+profile_step=true] [+memory_snapshot=DIR]
 
 `fa4` in `+backends` (FlashAttention-4, model/fa4.py) is skipped with a printed note where flash-attn-4 does
 not import or the GPU is older than sm90, so one command compares it with ours where it runs.
@@ -28,7 +28,7 @@ Under torchrun (`torchrun --nproc_per_node=N scripts/bench_train.py ...`) every 
 per rank, and memory is the largest rank's: peak memory (on CPU the process's peak RSS), and the bytes of
 this rank's parameters and optimiser states (what the `parallel` mode shards).
 
-`+profile=true` profiles one more step and prints its per-kernel table; on CUDA the row then also has that
+`+profile_step=true` profiles one more step and prints its per-kernel table; on CUDA the row then also has that
 step's communication on rank 0: `comm_s` (seconds of NCCL kernels), `exposed_comm_s` (the part no other
 kernel overlapped, which the step waited for) and `exposed_comm_share` (of the step's wall time); and
 `exposed_comm_s_by_rank`, every rank's exposed time. A collective's kernel starts when its rank arrives, so a
@@ -290,7 +290,8 @@ def bench(cfg, info) -> None:
         b for b in cfg.get("backends", ["triton", "flex", "torch_varlen", "sdpa_packed"]) if can_run(b, info)
     ]
     warmup, steps = int(cfg.get("warmup", 3)), int(cfg.get("steps", 10))
-    profile = bool(cfg.get("profile", False))  # +profile=true: per-kernel table of one extra step
+    # +profile_step=true: per-kernel table of one extra step (`profile` is train.py's profiling group)
+    profile = bool(cfg.get("profile_step", False))
     snapshot_dir = cfg.get("memory_snapshot")  # +memory_snapshot=DIR: allocator history of one more step
     if snapshot_dir and info.device.type != "cuda":
         if info.is_main:

@@ -49,8 +49,12 @@ def test_bench_train_uses_each_model_preset(tmp_path):
         "model.depth=1",  # a model override applies to every preset
         "+models=[tiny,d12]",
         f"+out={out}",
+        "+profile_step=true",
     ]
-    subprocess.run([sys.executable, "scripts/bench_train.py", *args], cwd=ROOT, check=True, timeout=600)
+    cmd = [sys.executable, "scripts/bench_train.py", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True, text=True)
+    assert "profile of one step, tiny reference" in proc.stdout
+    assert "profile of one step, d12 reference" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [(r["model"], r["heads"]) for r in rows] == [
         ("tiny", preset_heads("tiny", depth=1)),
@@ -87,6 +91,7 @@ def test_bench_train_on_the_cpu_has_no_steady_peak_and_skips_the_memory_snapshot
     cmd = [sys.executable, "scripts/bench_train.py", *args]
     proc = subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True, text=True)
     assert "+memory_snapshot skipped: it records the CUDA allocator, this run is on cpu" in proc.stdout
+    assert "profile of one step" not in proc.stdout  # profiled only when asked (+profile_step=true)
     assert not snapshots.exists()
     (row,) = json.loads(out.read_text())["rows"]
     assert row["steady_peak_mem_gb"] is None and row["peak_mem_gb"] > 0
