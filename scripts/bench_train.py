@@ -28,8 +28,8 @@ Under torchrun (`torchrun --nproc_per_node=N scripts/bench_train.py ...`) every 
 per rank, and memory is the largest rank's: peak memory (on CPU the process's peak RSS), and the bytes of
 this rank's parameters and optimiser states (what the `parallel` mode shards).
 
-`+profile_step=true` profiles one more step and prints its per-kernel table; on CUDA the row then also has that
-step's communication on rank 0: `comm_s` (seconds of NCCL kernels), `exposed_comm_s` (the part no other
+`+profile_step=true` profiles one more step and prints its per-kernel table; on CUDA the row then also has
+that step's communication on rank 0: `comm_s` (seconds of NCCL kernels), `exposed_comm_s` (the part no other
 kernel overlapped, which the step waited for) and `exposed_comm_share` (of the step's wall time); and
 `exposed_comm_s_by_rank`, every rank's exposed time. A collective's kernel starts when its rank arrives, so a
 rank that arrives first also waits in it for the others: the smallest of them is the communication's own
