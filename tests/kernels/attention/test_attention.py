@@ -17,6 +17,7 @@ from kernels.attention.op import flash_attn_varlen_fwd
 from kernels.attention.plan import tile_table
 from kernels.attention.tiles import tma_descriptors
 from kernels.common import INTERPRET
+from tests.kernels.attention.poison import poison_new_buffers
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="GPU build: see test_attention_gpu.py")
 
@@ -172,15 +173,7 @@ def test_passes_read_only_what_they_wrote(window, monkeypatch):
     dout = torch.randn(T, 4, 64)
     want = run_reference(q, k, v, cu, window, 0.125, dout)
 
-    def poisoned(make):
-        def make_nan(*args, **kwargs):
-            x = make(*args, **kwargs)
-            return x.fill_(float("nan")) if x.is_floating_point() else x
-
-        return make_nan
-
-    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
-    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+    poison_new_buffers(monkeypatch)
     got = run_kernel(q, k, v, cu, window, 0.125, dout)
     monkeypatch.undo()
     for name, x, ref in zip(["out", "dq", "dk", "dv"], got[:1] + got[2:], want[:1] + want[2:], strict=True):

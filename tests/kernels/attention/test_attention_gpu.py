@@ -12,6 +12,7 @@ from kernels.attention.forward import forward
 from kernels.attention.op import flash_attn_varlen_fwd
 from kernels.common import INTERPRET
 from scripts.bench_attention import document_lengths
+from tests.kernels.attention.poison import poison_new_buffers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,15 +122,7 @@ def test_passes_read_only_what_they_wrote(left, monkeypatch):
     dout = torch.randn(T, 16, 128, device="cuda", dtype=torch.bfloat16)
     want = grads(reference((left, 0)), q.float(), k.float(), v.float(), cu, dout.float())
 
-    def poisoned(make):
-        def make_nan(*args, **kwargs):
-            x = make(*args, **kwargs)
-            return x.fill_(float("nan")) if x.is_floating_point() else x
-
-        return make_nan
-
-    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
-    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+    poison_new_buffers(monkeypatch)
     got = grads(ours((left, 0)), q, k, v, cu, dout)
     monkeypatch.undo()
     end = sum(LONG)
