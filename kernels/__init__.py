@@ -6,10 +6,10 @@
 - `kernels.common`: what every Triton module shares (the switch to the CPU interpreter, base-2 constants).
 
 Importing the package also tags torch.compile's caches with a digest of the sources that define our custom
-ops (`kernels/` and `model/`). Those caches key a graph by its code, which names an op but not what its fake
-implementation returns: after an edit or an upgrade that changes an op's output sizes, a warm cache would
-serve the old compiled graph, which then fails its size checks. A tag set beforehand
-(TORCH_COMPILE_CACHE_KEY_TAG) is kept, with ours after it.
+ops (`kernels/` and `model/`). Those caches key a graph by its code, which names an op but says nothing of
+its fake implementation or its registered backward: after an edit or an upgrade that changes either, a warm
+cache would serve the old compiled graph. A tag set beforehand (TORCH_COMPILE_CACHE_KEY_TAG) is kept, with
+ours after it.
 """
 
 import hashlib
