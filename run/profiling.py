@@ -29,6 +29,20 @@ def write_by_name(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def start_memory_history() -> None:
+    """Record the CUDA caching allocator's history from now on, any earlier record dropped. Python stacks
+    only: sites are Python frames, and C++ unwinding would slow the step and bloat the file."""
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python", clear_history=True)
+
+
+def dump_memory_history(path: Path) -> None:
+    write_by_name(path, torch.cuda.memory._dump_snapshot)
+
+
+def stop_memory_history() -> None:
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def check_profile(cfg, device: torch.device) -> None:
     """Refuse, at start-up, profile settings that cannot run."""
     if cfg.every < 0:
@@ -46,7 +60,7 @@ class StepProfiler:
         self.every, self.memory = int(cfg.every), bool(cfg.memory_snapshot)
         self.dir, self.rank, self.device = Path(run_dir) / "profile", info.rank, info.device
         if self.memory:
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+            start_memory_history()
 
     @contextmanager
     def step(self, n: int):
@@ -75,8 +89,8 @@ class StepProfiler:
             raise
 
     def _snapshot(self, name: str) -> None:
-        write_by_name(self.dir / f"{name}_rank{self.rank}.pickle", torch.cuda.memory._dump_snapshot)
+        dump_memory_history(self.dir / f"{name}_rank{self.rank}.pickle")
 
     def close(self) -> None:
         if self.memory:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            stop_memory_history()

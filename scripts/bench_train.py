@@ -70,7 +70,7 @@ from run.determinism import configure_determinism  # noqa: E402
 from run.dist import gather_objects, init_distributed, shutdown, wait_for_rank0  # noqa: E402
 from run.parallel import needs_group_of_one, parallelize, shards_optimizers  # noqa: E402
 from run.preflight import check_config  # noqa: E402
-from run.profiling import HISTORY_ENTRIES, write_by_name  # noqa: E402
+from run.profiling import dump_memory_history, start_memory_history, stop_memory_history  # noqa: E402
 from scripts.memory_peak import find_peak, summary  # noqa: E402
 from train import peak_memory_gb, train_step  # noqa: E402
 
@@ -210,13 +210,12 @@ def communication(prof, wall: float) -> dict:
 def record_memory(step, device, path: Path) -> str:
     """Run `step` with the CUDA caching allocator's history recorded, dump the snapshot to `path`, and return
     scripts/memory_peak.py's summary of it."""
-    # Python stacks only: sites are Python frames, and C++ unwinding would slow the step and bloat the file.
-    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python", clear_history=True)
+    start_memory_history()
     try:
         step()
-        write_by_name(path, torch.cuda.memory._dump_snapshot)
+        dump_memory_history(path)
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        stop_memory_history()
     with open(path, "rb") as f:
         snapshot = pickle.load(f)
     return f"{path}\n{summary(find_peak(snapshot, device.index))}"
