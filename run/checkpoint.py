@@ -322,8 +322,9 @@ class Checkpointer:
         failure = None
         try:
             if _distributed() and self._group is None:
-                # The writing thread's collectives run on a gloo group of their own, not on the training's.
-                self._group = dist.new_group(backend="gloo")
+                # The writing thread's collectives run on a gloo group of their own, not on the training's,
+                # and give up as the run's do: a rank whose writes hang ends the job.
+                self._group = dist.new_group(backend="gloo", timeout=self.info.timeout)
             self._future = dcp.async_save(
                 tensors,
                 storage_writer=dcp.FileSystemWriter(tmp),

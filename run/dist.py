@@ -26,6 +26,7 @@ class DistInfo:
     world_size: int
     device: torch.device
     waiting_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)  # wait_for_rank0
+    timeout: timedelta = timedelta(minutes=10)  # a collective's, on any group the run makes (dist_timeout_s)
 
     @property
     def is_main(self) -> bool:
@@ -72,7 +73,7 @@ def init_distributed(device_name: str, group_of_one: bool = False, timeout_s: fl
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id, timeout=timeout
         )
-    return DistInfo(rank, local_rank, world_size, device, waiting_group)
+    return DistInfo(rank, local_rank, world_size, device, waiting_group, timeout)
 
 
 def shutdown(info: DistInfo) -> None:

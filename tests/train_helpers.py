@@ -139,7 +139,9 @@ def mount_tmpfs(path: Path, options: str) -> bool:
     return proc.returncode == 0
 
 
-def start_torchrun(procs: int, args: list[str], log: Path, torchrun_args=()) -> subprocess.Popen:
+def start_torchrun(
+    procs: int, args: list[str], log: Path, torchrun_args=(), env_extra=None
+) -> subprocess.Popen:
     """torchrun in the background, in a process group of its own, its ranks' output and its own into `log`."""
     with open(log, "w") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
@@ -154,7 +156,7 @@ def start_torchrun(procs: int, args: list[str], log: Path, torchrun_args=()) -> 
                 *args,
             ],
             cwd=ROOT,
-            env=train_env(),
+            env=train_env(env_extra),
             stdout=out,
             stderr=subprocess.STDOUT,
             process_group=0,

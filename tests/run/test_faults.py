@@ -16,11 +16,13 @@ from run.checkpoint import MANIFEST, RUN_STATE
 from tests.train_helpers import (
     ROOT,
     assert_same_run,
+    kill_everything,
     logged_steps,
     metrics,
     mount_tmpfs,
     run_train,
     small_run,
+    start_torchrun,
     start_train,
     train_env,
     wait_for,
@@ -420,3 +422,44 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, corp
     stopped = logged_steps(run_dir)
     assert f"stopped by a signal on another rank after step {stopped}: checkpoint" in output
     assert steps_saved(run_dir) == [f"step_{stopped:06d}"]
+
+
+# Imported at start-up by every Python process that has this file's folder on PYTHONPATH: in torchrun's rank
+# 1, checkpoint writes hang (for ten minutes, as on a stuck file system) in the thread of a background save.
+STALLED_WRITES = """import os
+import time
+
+if os.environ.get("RANK") == "1":
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def stalled(self, *args, **kwargs):
+        time.sleep(600)
+        return write_data(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = stalled
+"""
+
+
+def test_a_background_save_hung_on_one_rank_ends_the_run_after_dist_timeout_s(tmp_path, corpus):
+    """torchrun with two gloo ranks and async_save=true, and rank 1's checkpoint writes hang. The background
+    save's collectives give up after dist_timeout_s, as the run's do, so the job ends in about two timeouts
+    (the save's, then the next save's gather on the other rank) instead of holding its ranks for torch's
+    default 30 minutes; nothing is sealed as a checkpoint."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALLED_WRITES)
+    run_dir = tmp_path / "run"
+    args = small_run(corpus, run_dir, "async_save=true", "dist_timeout_s=15", "max_steps=400", "save_every=4")
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
+    proc = start_torchrun(2, args, tmp_path / "log", env_extra={"PYTHONPATH": path})
+    try:
+        proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        kill_everything(proc)
+        raise AssertionError(f"still running after 180 s at step {logged_steps(run_dir)}") from None
+    assert proc.returncode != 0
+    assert "Timed out waiting 15000ms" in (tmp_path / "log").read_text()  # gloo's, not another error
+    assert 4 <= logged_steps(run_dir) < 400
+    assert steps_saved(run_dir) == []
