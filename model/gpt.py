@@ -545,14 +545,18 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros((vocab_size, weight.shape[1]), device=h.device, dtype=loss.dtype)
         fused = h.is_cuda and h.dtype != torch.float64  # the kernel computes in fp32
         inv_valid = 1.0 / n_valid.float()
-        # Each element of a row's gradient, a softmax minus a one-hot through the soft-cap's tanh' <= 1, lies
-        # within 1 / n_valid. Under tensorwise that bound is the gradient's e5m2 scale, so the pass that
-        # computes the gradient writes it in e5m2, with no amax pass and no bf16 copy. The bound is about
-        # what an amax would find: in a chunk some token gives its target a small probability.
+        # Each element of a token's gradient, a softmax minus a one-hot through the soft-cap's tanh' <= 1,
+        # lies within 1. Under tensorwise that bound is the gradient's e5m2 scale, so the pass that computes
+        # the gradient writes it in e5m2, with no amax pass and no bf16 copy. The bound is about what an
+        # amax would find: in a chunk some token gives its target a small probability. The products then
+        # read only constants and the 1 / n_valid waits for the backward: a product scaled by n_valid,
+        # which inductor computes in one kernel with the loss's sum over every chunk, would wait for the
+        # last chunk, and every chunk's gradient with it (2.1 GB at d12).
         fp8_grad = fp8 == "tensorwise"
         top = torch.finfo(E5M2).max
         grad_dtype, grad_scale = (E5M2, torch.full_like(inv_valid, top)) if fp8_grad else (h.dtype, inv_valid)
-        grad_inv = inv_valid / top if fp8_grad else None
+        grad_inv = torch.full_like(inv_valid, 1.0 / top) if fp8_grad else None
+        after = inv_valid if fp8_grad else torch.ones_like(inv_valid)
         for start in range(0, h.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits, tc = head.forward(rows), targets[rows]
@@ -571,10 +575,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             grad_h[rows], grad_w_chunk = head.backward(grad, rows, grad_inv)
             add_into(grad_w, grad_w_chunk)
         grad_w = F.pad(grad_w, (0, 0, 0, weight.shape[0] - vocab_size))  # padded rows: never predicted
-        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype), after)
         return loss / n_valid
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None, None
+        grad_h, grad_w, after = ctx.saved_tensors
+        scale = grad_loss * after
+        return grad_h * scale, grad_w * scale, None, None, None, None, None
