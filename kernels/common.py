@@ -7,6 +7,7 @@ TRITON_INTERPRET=1 must be set before anything imports triton (torch._dynamo doe
 it comes first, so every kernel module imports it before triton. Otherwise set it in the environment.
 """
 
+import functools
 import os
 
 import torch
@@ -32,3 +33,24 @@ def check_interpreter() -> None:
             "triton was imported before kernels.common without TRITON_INTERPRET=1, so its library cannot "
             "run in the interpreter: set TRITON_INTERPRET=1 in the environment"
         )
+
+
+@functools.cache
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _device_properties(device: torch.device):
+    return _properties(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device, looked up once: each launch of a persistent kernel
+    asks, and torch's own lookup costs microseconds of host time."""
+    return _device_properties(device).multi_processor_count
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, looked up once (see sm_count)."""
+    p = _device_properties(device)
+    return p.major, p.minor

@@ -116,7 +116,6 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, None, None, None, None, None
 
 
-# As with kernels/attention/op.py: after changing _backward, compile into a fresh TORCHINDUCTOR_CACHE_DIR.
 fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 

@@ -15,12 +15,16 @@ diagonal to its window's end; the blocks on the diagonal and at the window's edg
 run on the tile tables of plan.py (hopper_forward.py, hopper_backward.py).
 """
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.tools.ragged_tma import create_ragged_descriptor
+
+from kernels.common import capability
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -154,7 +158,7 @@ def supported(*tensors: torch.Tensor) -> bool:
     """Whether these kernels can read these [T, H, D] tensors by TMA: a Hopper GPU, 16-bit, head dim 128,
     16-byte aligned bases and token/head strides."""
     q = tensors[0]
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not q.is_cuda or capability(q.device)[0] != 9:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != HEAD_DIM:
         return False
@@ -167,6 +171,12 @@ def supported(*tensors: torch.Tensor) -> bool:
 def tma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """Ragged TMA descriptor of a [T, H, D] tensor for [rows, D] tiles of one head and one segment."""
     ragged = create_ragged_descriptor(x, [rows, 1, x.shape[2]])
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(ragged.block_shape, dtype)
-    return TensorDescriptor(x, ragged.shape, ragged.strides, ragged.block_shape, layout)
+    return TensorDescriptor(x, ragged.shape, ragged.strides, ragged.block_shape,
+                            _layout(tuple(ragged.block_shape), x.dtype))
+
+
+@functools.cache
+def _layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    # Made once per block and dtype: building it costs more host time than the descriptor itself.
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)

@@ -35,6 +35,7 @@ from kernels.attention.hopper import (
     tma_descriptor,
     transposed_slot,
 )
+from kernels.common import sm_count
 
 
 @gluon.jit
@@ -259,7 +260,7 @@ def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks, 
         raise ValueError(f"the Gluon forward runs 128-key blocks and two 64-row warpgroups, not {blocks}")
     n_tiles = tiles.shape[1]
     # One program per SM (224 KB of shared memory each), and a fresh counter of claimed items per launch.
-    programs = min(n_tiles * H, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    programs = min(n_tiles * H, sm_count(q.device))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _fwd_persistent_kernel[(programs,)](
         tma_descriptor(q, blocks.m // 2), tma_descriptor(k, blocks.n), tma_descriptor(v, blocks.n), out, lse,

@@ -104,8 +104,6 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, None, None, None, None, None, None
 
 
-# torch's compiled-graph cache does not key on the formula registered here: after changing _backward,
-# compile into a fresh TORCHINDUCTOR_CACHE_DIR, or the old backward graph is silently reused.
 flash_attn_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 

@@ -9,7 +9,7 @@ zeros, so no thread computes addresses or masks for those loads.
 import torch  # noqa: I001 (kernels.common must come before triton)
 
 from kernels.attention.block_sizes import Blocks
-from kernels.common import INTERPRET, check_interpreter
+from kernels.common import INTERPRET, capability, check_interpreter
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -123,7 +123,7 @@ def check_launch(*tensors: torch.Tensor) -> None:
 def tma_descriptors(blocks: Blocks, rows: int, block_d: int, *tensors: torch.Tensor) -> tuple:
     """Ragged TMA descriptors of [T, H, D] tensors for [rows, block_d] tiles of one head, or Nones where the
     config does not ask for TMA or TMA cannot serve them all: before Hopper, or unaligned base or strides."""
-    if not blocks.tma or (not INTERPRET and torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
+    if not blocks.tma or (not INTERPRET and capability(tensors[0].device)[0] < 9):
         return (None,) * len(tensors)
     for x in tensors:
         if x.data_ptr() % 16 or any(stride * x.element_size() % 16 for stride in x.stride()[:-1]):

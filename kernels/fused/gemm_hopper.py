@@ -42,6 +42,8 @@ over output tiles of BM x BN (tile t + i * programs). Three partitions:
   a in its backward, the residual) load it by TMA into the output buffer during the K loop.
 """
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -55,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.common import capability, sm_count
 from kernels.fused.numerics import RMS_EPS
 
 # Triton 3.6 names the TMA copies async_copy_*; later releases async_load / async_store.
@@ -291,7 +294,7 @@ def supported(*tensors: torch.Tensor) -> bool:
     """Whether these [rows, cols] tensors suit the kernel: a Hopper GPU, 16-bit, row-major with 16-byte
     aligned rows."""
     x = tensors[0]
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+    if not x.is_cuda or capability(x.device)[0] != 9:
         return False
     return all(
         t.dtype == x.dtype in (torch.bfloat16, torch.float16)
@@ -303,9 +306,14 @@ def supported(*tensors: torch.Tensor) -> bool:
     )
 
 
+@functools.cache
+def _layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    # Made once per block and dtype: building it costs more host time than the descriptor itself.
+    return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
+
+
 def descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype])
-    return TensorDescriptor.from_tensor(x, block, layout)
+    return TensorDescriptor.from_tensor(x, block, _layout(tuple(block), x.dtype))
 
 
 def _k_block(a: torch.Tensor, b: torch.Tensor, w_scale: torch.Tensor | None) -> int:
@@ -516,7 +524,7 @@ def _launch(epilogue: gl.constexpr, a_desc, b_desc, b2_desc, c_desc, c2_desc, g_
     row_scale: A's rows' scales (float32 [M]: the MLP's 1/rms, FP8 row scales), multiplied into the
     product before the epilogue, where given. w_scale: B's FP8 scale (one float32), where given."""
     n_tiles = triton.cdiv(M, BM) * (triton.cdiv(N, BN) + triton.cdiv(N2, BN))
-    programs = min(n_tiles, torch.cuda.get_device_properties(a_desc.base.device).multi_processor_count)
+    programs = min(n_tiles, sm_count(a_desc.base.device))
     _matmul_kernel[(programs,)](
         a_desc, a_desc if a2_desc is None else a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, cos, sin,
         rstd, row_scale, w_scale, M, N, N2, K, K if K1 is None else K1,

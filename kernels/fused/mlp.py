@@ -24,8 +24,8 @@ import torch  # noqa: I001 (kernels.common must come before triton)
 
 # Before triton: without CUDA it switches Triton to the interpreter (see kernels/common.py).
 from kernels.common import check_interpreter
-from kernels.fused.numerics import E4M3, RMS_EPS, quantize, wide
-from kernels.fused.products import fp8_product, fp8_rows, on_hopper_product, weight_grad
+from kernels.fused.numerics import RMS_EPS, wide
+from kernels.fused.products import fp8_product, fp8_rows, fp8_weight, on_hopper_product, weight_grad
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -154,8 +154,6 @@ def _backward(ctx, grad_out, grad_a, grad_rstd):
     return _input_grad(grad_out, x, u, rstd), dw1, dw2
 
 
-# torch's compiled-graph cache does not key on the formula registered here: after changing _backward,
-# compile into a fresh TORCHINDUCTOR_CACHE_DIR, or the old backward graph is silently reused.
 relu2_mlp_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -180,22 +178,30 @@ def relu2_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tens
 # transposes) per tensor. The row scales multiply the rows in the products' epilogues, x's with its 1/rms
 # (so the norm stays unwritten, as in the bf16 operator), and the weight's scale the whole. a, dh and the
 # outputs are bf16, the weight gradients are the bf16 products of the operator above (wgrad_hopper.py).
+# The operators take the weights quantised (products.py's fp8_weight) from W1 and W2 as they are stored
+# (float32 masters: one rounding, no bf16 copy kept for the backward): by `relu2_mlp_fp8` for the forward,
+# by the registered backward for the backward's transposes. The forward takes W1 and W2 themselves only so
+# that autograd gives them their gradients (which it casts from bf16 to theirs).
 
 
 @torch.library.custom_op("varlen_gpt::relu2_mlp_fp8_fwd", mutates_args=())
 def relu2_mlp_fp8_fwd(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w1_8: torch.Tensor,
+    w1_inv: torch.Tensor,
+    w2_8: torch.Tensor,
+    w2_inv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x8, x_scale, rstd = fp8_rows(x, with_rstd=True)
-    w1_8, w1_scale = quantize(w1, E4M3)
-    a = fp8_product(x8, x_scale, w1_8, w1_scale, "relu2")
+    a = fp8_product(x8, x_scale, w1_8, w1_inv, "relu2")
     a8, a_scale, _ = fp8_rows(a)
-    w2_8, w2_scale = quantize(w2, E4M3)
-    return fp8_product(a8, a_scale, w2_8, w2_scale, "residual", x), a, rstd
+    return fp8_product(a8, a_scale, w2_8, w2_inv, "residual", x), a, rstd
 
 
 @relu2_mlp_fp8_fwd.register_fake
-def _(x, w1, w2):
+def _(x, w1, w2, w1_8, w1_inv, w2_8, w2_inv):
     return (
         torch.empty_like(x),
         x.new_empty(x.shape[0], w1.shape[0]),
@@ -205,43 +211,49 @@ def _(x, w1, w2):
 
 @torch.library.custom_op("varlen_gpt::relu2_mlp_fp8_bwd", mutates_args=())
 def relu2_mlp_fp8_bwd(
-    g: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, a: torch.Tensor, rstd: torch.Tensor
+    g: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    rstd: torch.Tensor,
+    w1_t8: torch.Tensor,
+    w1_inv: torch.Tensor,
+    w2_t8: torch.Tensor,
+    w2_inv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(u, dW1, dW2) as relu2_mlp_bwd's, u and dh from FP8 products."""
+    """(u, dW1, dW2) as relu2_mlp_bwd's, u and dh from FP8 products with W2^T and W1^T (w2_t8 [H, C], w1_t8
+    [C, H])."""
     g = g.contiguous()
     g8, g_scale, _ = fp8_rows(g)
-    w2_8, w2_scale = quantize(w2, E4M3)
-    # One scale holds for a tensor and its transpose: the transposed copies are of the FP8 bytes.
-    dh = fp8_product(g8, g_scale * rstd, w2_8.t().contiguous(), w2_scale, "relu2_grad", a)
+    dh = fp8_product(g8, g_scale * rstd, w2_t8, w2_inv, "relu2_grad", a)
     dh8, dh_scale, _ = fp8_rows(dh)
-    w1_8, w1_scale = quantize(w1, E4M3)
-    u = fp8_product(dh8, dh_scale, w1_8.t().contiguous(), w1_scale, "plain")
+    u = fp8_product(dh8, dh_scale, w1_t8, w1_inv, "plain")
     return u, weight_grad(dh, x), weight_grad(g, a)
 
 
 @relu2_mlp_fp8_bwd.register_fake
-def _(g, x, w1, w2, a, rstd):
-    return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+def _(g, x, a, rstd, w1_t8, w1_inv, w2_t8, w2_inv):
+    return torch.empty_like(x), x.new_empty(w1_t8.t().shape), x.new_empty(w2_t8.t().shape)
 
 
 def _setup_fp8_context(ctx, inputs, output):
-    x, w1, w2 = inputs
+    x, w1, w2 = inputs[:3]
     ctx.save_for_backward(x, w1, w2, output[1], output[2])
 
 
 def _fp8_backward(ctx, grad_out, grad_a, grad_rstd):
     x, w1, w2, a, rstd = ctx.saved_tensors
-    u, dw1, dw2 = relu2_mlp_fp8_bwd(grad_out, x, w1, w2, a, rstd)
-    return _input_grad(grad_out, x, u, rstd), dw1, dw2
+    u, dw1, dw2 = relu2_mlp_fp8_bwd(grad_out, x, a, rstd, *fp8_weight(w1, True), *fp8_weight(w2, True))
+    return _input_grad(grad_out, x, u, rstd), dw1, dw2, None, None, None, None
 
 
 relu2_mlp_fp8_fwd.register_autograd(_fp8_backward, setup_context=_setup_fp8_context)
 
 
 def relu2_mlp_fp8(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """relu2_mlp with FP8 products (see above), for a bf16 x: out and x's gradient in bf16."""
+    """relu2_mlp with FP8 products (see above), for a bf16 x: out and x's gradient in bf16, the weights
+    quantised as they are stored."""
     _check_shapes(x, w1, w2)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x {x.dtype}: the FP8 MLP takes a bfloat16 residual stream")
-    out, _, _ = relu2_mlp_fp8_fwd(x.contiguous(), w1.to(x.dtype), w2.to(x.dtype))
+    out, _, _ = relu2_mlp_fp8_fwd(x.contiguous(), w1, w2, *fp8_weight(w1), *fp8_weight(w2))
     return out

@@ -45,9 +45,23 @@ def fp8_rows(x: torch.Tensor, with_rstd: bool = False, x2: torch.Tensor | None =
     return x8, inv[:, 0] * (1 if rstd is None else rstd), rstd
 
 
+def fp8_weight(w: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, or with transposed W^T, in e4m3 and row-major; W's 1 / s): one scale holds for a tensor and its
+    transpose. The operators take their weights so quantised, by the model's graph (forward) and their
+    registered backward: there torch.compile fuses the quantisation into a reduction and a cast. Inside an
+    operator it would run as eager PyTorch, about 150 us of host time a weight at d12's sizes (an H200),
+    and d12's FP8 step is bound by host time."""
+    w8, inv = quantize(w.detach().t() if transposed else w.detach(), E4M3)
+    return w8.contiguous(), inv
+
+
 def fp8_on_hopper(t: torch.Tensor) -> bool:
     """Whether FP8 products of t run as gemm_hopper.py's (a Hopper GPU), else as float32 math."""
-    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+    if not t.is_cuda:
+        return False
+    from kernels.common import capability
+
+    return capability(t.device)[0] == 9
 
 
 def fp8_product(a8, row_scale, b8, b_scale, epilogue: str, extra: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,8 +27,15 @@ import torch  # noqa: I001 (kernels.common must come before triton)
 
 # Before triton: without CUDA it switches Triton to the interpreter (see kernels/common.py).
 from kernels.common import check_interpreter
-from kernels.fused.numerics import E4M3, RMS_EPS, quantize, wide
-from kernels.fused.products import fp8_on_hopper, fp8_product, fp8_rows, on_hopper_product, weight_grad
+from kernels.fused.numerics import RMS_EPS, wide
+from kernels.fused.products import (
+    fp8_on_hopper,
+    fp8_product,
+    fp8_rows,
+    fp8_weight,
+    on_hopper_product,
+    weight_grad,
+)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -165,16 +172,18 @@ def qkv_rope_norm_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
     rstd: torch.Tensor,
-    fp8: bool,
+    w_inv: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx and the gradient of w = [Wq; Wk; Wv], from dh [T, Nq + Nk] and dv read as one operand; with fp8,
-    dx from an FP8 product (see below) and the weight gradient still bf16."""
+    """dx and the gradient of the stacked weights [Wq; Wk; Wv], from dh [T, Nq + Nk] and dv read as one
+    operand. w is the stack in x's dtype; or, given w_inv, its transpose in e4m3 with the stack's 1 / s,
+    and dx comes from an FP8 product (see below), the weight gradient still bf16."""
     dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
     if x.is_cuda:
         dh = rope_norm_grad(dq, dk, q, k, rstd, cos, sin)
     else:
         dh = reference_grad(dq, dk, q, k, rstd, cos, sin)
-    return (_fp8_input_grad if fp8 else _input_grad)(dh, dv, w), weight_grad(dh, x, dv)
+    dx = _input_grad(dh, dv, w) if w_inv is None else _fp8_input_grad(dh, dv, w, w_inv)
+    return dx, weight_grad(dh, x, dv)
 
 
 def _input_grad(dh: torch.Tensor, dv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -188,8 +197,8 @@ def _input_grad(dh: torch.Tensor, dv: torch.Tensor, w: torch.Tensor) -> torch.Te
 
 
 @qkv_rope_norm_bwd.register_fake
-def _(dq, dk, dv, x, w, cos, sin, q, k, rstd, fp8):
-    return x.new_empty(x.shape), w.new_empty(w.shape)
+def _(dq, dk, dv, x, w, cos, sin, q, k, rstd, w_inv):
+    return x.new_empty(x.shape), x.new_empty(w.shape if w_inv is None else w.t().shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -200,11 +209,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dq, dk, dv, drstd):
     # rstd is an output only so that the backward can keep it; nothing downstream differentiates it.
-    return *qkv_rope_norm_bwd(dq, dk, dv, *ctx.saved_tensors, False), None, None, None, None
+    return *qkv_rope_norm_bwd(dq, dk, dv, *ctx.saved_tensors, None), None, None, None, None
 
 
-# torch's compiled-graph cache does not key on the formula registered here: after changing _backward,
-# compile into a fresh TORCHINDUCTOR_CACHE_DIR, or the old backward graph is silently reused.
 qkv_rope_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -216,8 +223,9 @@ def qkv_rope_norm(x, wq, wk, wv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, 
     return q, k, v
 
 
-def _operands(x, wq, wk, wv, cos, sin):
-    """The forward operator's arguments (x, w, nq, nk, cos, sin), the shapes checked."""
+def _operands(x, wq, wk, wv, cos, sin, stack: bool = True):
+    """The forward operator's arguments (x, w, nq, nk, cos, sin), the shapes checked; w None without
+    stack."""
     T, C = x.shape
     if any(w.shape[1] != C for w in (wq, wk, wv)) or cos.shape != sin.shape or cos.shape[0] != T:
         raise ValueError(
@@ -233,7 +241,7 @@ def _operands(x, wq, wk, wv, cos, sin):
     angles = (t.to(wide(x.dtype)).contiguous() for t in (cos, sin))
     # Cast and stacked once (one kernel when compiled; cast first, so that eager makes no fp32 stack): the
     # backward's products read the stack as it is.
-    w = torch.cat([w.to(x.dtype) for w in (wq, wk, wv)])
+    w = torch.cat([w.to(x.dtype) for w in (wq, wk, wv)]) if stack else None
     return x.contiguous(), w, wq.shape[0], wk.shape[0], *angles
 
 
@@ -241,8 +249,10 @@ def _operands(x, wq, wk, wv, cos, sin):
 # The same with FP8 products for the forward and the input gradient (products.py's fp8_rows, fp8_product):
 # x's rows quantised to e4m3, and in the backward the rows of [dh | dv] (one scale per row across the three
 # outputs' gradients, which one product reads), the stacked weights [Wq; Wk; Wv] per tensor (its transpose
-# for dx). The q/k product applies x's row scale and the weights' scale before the rotation and the norm.
-# The weight gradient is bf16, as above.
+# for dx). The stack is quantised outside the operators (products.py's fp8_weight), from the weights as
+# they are stored (float32 masters: one rounding), and only its e4m3 form is made: the backward keeps the
+# weights themselves. The q/k product applies x's row scale and the weights' scale before the rotation and
+# the norm. The weight gradients are bf16, as above, cast by autograd to the weights' dtype.
 
 
 def _fp8_rope_norm(x8, x_scale, wq8, wk8, w_scale, cos, sin):
@@ -258,40 +268,60 @@ def _fp8_rope_norm(x8, x_scale, wq8, wk8, w_scale, cos, sin):
 
 @torch.library.custom_op("varlen_gpt::qkv_rope_norm_fp8_fwd", mutates_args=())
 def qkv_rope_norm_fp8_fwd(
-    x: torch.Tensor, w: torch.Tensor, nq: int, nk: int, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    w8: torch.Tensor,
+    w_inv: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, k, v, rstd) as qkv_rope_norm_fwd's, from FP8 products."""
+    """(q, k, v, rstd) as qkv_rope_norm_fwd's, from FP8 products with w8, the stack [Wq; Wk; Wv] in e4m3.
+    wq, wk and wv are inputs only so that autograd gives them their gradients."""
+    nq, nk = wq.shape[0], wk.shape[0]
     x8, x_scale, _ = fp8_rows(x)
-    w8, w_scale = quantize(w, E4M3)
-    q, k, rstd = _fp8_rope_norm(x8, x_scale, w8[:nq], w8[nq : nq + nk], w_scale, cos, sin)
-    return q, k, fp8_product(x8, x_scale, w8[nq + nk :], w_scale, "plain"), rstd
+    q, k, rstd = _fp8_rope_norm(x8, x_scale, w8[:nq], w8[nq : nq + nk], w_inv, cos, sin)
+    return q, k, fp8_product(x8, x_scale, w8[nq + nk :], w_inv, "plain"), rstd
 
 
 @qkv_rope_norm_fp8_fwd.register_fake
-def _(x, w, nq, nk, cos, sin):
+def _(x, wq, wk, wv, cos, sin, w8, w_inv):
     T = x.shape[0]
-    rstd = x.new_empty(T, (nq + nk) // (2 * cos.shape[1]), dtype=torch.float32)
-    return x.new_empty(T, nq), x.new_empty(T, nk), x.new_empty(T, w.shape[0] - nq - nk), rstd
+    rstd = x.new_empty(T, (wq.shape[0] + wk.shape[0]) // (2 * cos.shape[1]), dtype=torch.float32)
+    return x.new_empty(T, wq.shape[0]), x.new_empty(T, wk.shape[0]), x.new_empty(T, wv.shape[0]), rstd
 
 
-def _fp8_input_grad(dh: torch.Tensor, dv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[dh | dv] w from FP8: the rows of [dh | dv] quantised without joining them, w per tensor."""
+def _fp8_input_grad(
+    dh: torch.Tensor, dv: torch.Tensor, w_t8: torch.Tensor, w_inv: torch.Tensor
+) -> torch.Tensor:
+    """[dh | dv] w from FP8: the rows of [dh | dv] quantised without joining them, w^T in e4m3 (w_t8)."""
     g8, g_scale, _ = fp8_rows(dh, x2=dv)
-    w8, w_scale = quantize(w, E4M3)
-    # One scale holds for the stack and its transpose: the transposed copy is of the FP8 bytes.
-    return fp8_product(g8, g_scale, w8.t().contiguous(), w_scale, "plain")
+    return fp8_product(g8, g_scale, w_t8, w_inv, "plain")
+
+
+def _setup_fp8_context(ctx, inputs, output):
+    x, wq, wk, wv, cos, sin = inputs[:6]
+    q, k, _, rstd = output
+    ctx.save_for_backward(x, wq, wk, wv, cos, sin, q, k, rstd)
 
 
 def _fp8_backward(ctx, dq, dk, dv, drstd):
-    return *qkv_rope_norm_bwd(dq, dk, dv, *ctx.saved_tensors, True), None, None, None, None
+    x, wq, wk, wv, cos, sin, q, k, rstd = ctx.saved_tensors
+    w_t8, w_inv = fp8_weight(torch.cat([wq, wk, wv]), transposed=True)
+    dx, dw = qkv_rope_norm_bwd(dq, dk, dv, x, w_t8, cos, sin, q, k, rstd, w_inv)
+    return dx, *dw.split([wq.shape[0], wk.shape[0], wv.shape[0]]), None, None, None, None
 
 
-qkv_rope_norm_fp8_fwd.register_autograd(_fp8_backward, setup_context=_setup_context)
+qkv_rope_norm_fp8_fwd.register_autograd(_fp8_backward, setup_context=_setup_fp8_context)
 
 
 def qkv_rope_norm_fp8(x, wq, wk, wv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv_rope_norm with FP8 products (see above), for a bf16 x: q, k, v and x's gradient in bf16."""
+    """qkv_rope_norm with FP8 products (see above), for a bf16 x: q, k, v and x's gradient in bf16, the
+    weights quantised as they are stored."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x {x.dtype}: the FP8 q/k/v take a bfloat16 input")
-    q, k, v, _ = qkv_rope_norm_fp8_fwd(*_operands(x, wq, wk, wv, cos, sin))
+    x, _, _, _, cos, sin = _operands(x, wq, wk, wv, cos, sin, stack=False)
+    w8, w_inv = fp8_weight(torch.cat([wq, wk, wv]))
+    q, k, v, _ = qkv_rope_norm_fp8_fwd(x, wq, wk, wv, cos, sin, w8, w_inv)
     return q, k, v

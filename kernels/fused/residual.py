@@ -10,8 +10,7 @@ The operator has a fake implementation, so torch.compile traces through it witho
 
 import torch
 
-from kernels.fused.numerics import E4M3, quantize
-from kernels.fused.products import fp8_product, fp8_rows, on_hopper_product, weight_grad
+from kernels.fused.products import fp8_product, fp8_rows, fp8_weight, on_hopper_product, weight_grad
 
 
 @torch.library.custom_op("varlen_gpt::residual_linear", mutates_args=())
@@ -38,8 +37,6 @@ def _backward(ctx, g):
     return g, g @ w, g.t() @ y
 
 
-# torch's compiled-graph cache does not key on the formula registered here: after changing _backward,
-# compile into a fresh TORCHINDUCTOR_CACHE_DIR, or the old backward graph is silently reused.
 residual_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -59,47 +56,52 @@ def residual_linear(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.
 
 # ---- FP8 ------------------------------------------------------------------------------------------------
 # The same with FP8 products (products.py's fp8_rows, fp8_product): y and, in the backward, g quantised row
-# by row to e4m3, W per tensor (its transpose for dy = g W), the rows' and W's scales applied and r added in
-# the epilogue; dW = g^T y in bf16 (wgrad_hopper.py where it is preferred).
+# by row to e4m3, W per tensor as it is stored (its transpose for dy = g W) outside the operators
+# (products.py's fp8_weight), the rows' and W's scales applied and r added in the epilogue; dW = g^T y in
+# bf16 (wgrad_hopper.py where it is preferred), which autograd casts to W's dtype.
 
 
 @torch.library.custom_op("varlen_gpt::residual_linear_fp8", mutates_args=())
-def residual_linear_fp8_op(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def residual_linear_fp8_op(
+    r: torch.Tensor, y: torch.Tensor, w: torch.Tensor, w8: torch.Tensor, w_inv: torch.Tensor
+) -> torch.Tensor:
+    """r + y W^T from an FP8 product with w8, W in e4m3. w itself is an input only so that autograd gives
+    it its gradient."""
     y8, y_scale, _ = fp8_rows(y)
-    w8, w_scale = quantize(w, E4M3)
-    return fp8_product(y8, y_scale, w8, w_scale, "residual", r)
+    return fp8_product(y8, y_scale, w8, w_inv, "residual", r)
 
 
 @residual_linear_fp8_op.register_fake
-def _(r, y, w):
+def _(r, y, w, w8, w_inv):
     return r.new_empty(r.shape)
 
 
 @torch.library.custom_op("varlen_gpt::residual_linear_fp8_bwd", mutates_args=())
 def residual_linear_fp8_bwd(
-    g: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+    g: torch.Tensor, y: torch.Tensor, w_t8: torch.Tensor, w_inv: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dy, dW): dy = g W from an FP8 product, dW = g^T y in bf16. An operator of its own, so that the
-    compiled backward calls the quantisation kernel instead of tracing into it."""
+    """(dy, dW): dy = g W from an FP8 product with w_t8, W^T in e4m3; dW = g^T y in bf16. An operator of its
+    own, so that the compiled backward calls the quantisation kernel instead of tracing into it."""
     g8, g_scale, _ = fp8_rows(g)
-    w8, w_scale = quantize(w, E4M3)
-    # One scale holds for W and its transpose: the transposed copy is of the FP8 bytes.
-    dy = fp8_product(g8, g_scale, w8.t().contiguous(), w_scale, "plain")
-    return dy, weight_grad(g, y)
+    return fp8_product(g8, g_scale, w_t8, w_inv, "plain"), weight_grad(g, y)
 
 
 @residual_linear_fp8_bwd.register_fake
-def _(g, y, w):
-    return torch.empty_like(y), torch.empty_like(w)
+def _(g, y, w_t8, w_inv):
+    return torch.empty_like(y), y.new_empty(w_t8.t().shape)
+
+
+def _setup_fp8_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[1:3])
 
 
 def _fp8_backward(ctx, g):
     y, w = ctx.saved_tensors
-    dy, dw = residual_linear_fp8_bwd(g.contiguous(), y, w)
-    return g, dy, dw
+    dy, dw = residual_linear_fp8_bwd(g.contiguous(), y, *fp8_weight(w, transposed=True))
+    return g, dy, dw, None, None
 
 
-residual_linear_fp8_op.register_autograd(_fp8_backward, setup_context=_setup_context)
+residual_linear_fp8_op.register_autograd(_fp8_backward, setup_context=_setup_fp8_context)
 
 
 def residual_linear_fp8(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -107,4 +109,4 @@ def residual_linear_fp8(r: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> to
     _check_shapes(r, y, w)
     if r.dtype != torch.bfloat16:
         raise ValueError(f"r {r.dtype}: the FP8 projection takes a bfloat16 residual stream")
-    return residual_linear_fp8_op(r.contiguous(), y.to(r.dtype).contiguous(), w.to(r.dtype))
+    return residual_linear_fp8_op(r.contiguous(), y.to(r.dtype).contiguous(), w, *fp8_weight(w))

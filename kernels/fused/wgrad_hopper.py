@@ -45,6 +45,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from kernels.common import sm_count
 from kernels.fused import gemm_hopper
 from kernels.fused.gemm_hopper import descriptor, tma_load
 
@@ -417,7 +418,7 @@ def preferred(g: torch.Tensor, x: torch.Tensor, g2: torch.Tensor | None = None) 
         return False
     if g2 is not None:
         return g.shape[1] % BM == 0 and g2.shape[0] == g.shape[0]
-    sms = torch.cuda.get_device_properties(g.device).multi_processor_count
+    sms = sm_count(g.device)
     return sms < (M // BM) * (N // BN) < 2 * sms
 
 
@@ -453,7 +454,7 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None 
         return out
     if K == 0:
         return out.zero_()
-    plan = make_plan(M, N, K, torch.cuda.get_device_properties(g.device).multi_processor_count, programs,
+    plan = make_plan(M, N, K, sm_count(g.device), programs,
                      split, stream_k_only)
     part = torch.empty(max(plan.slots, 1), BM, BN, device=g.device, dtype=torch.float32)
     g_desc = descriptor(g, [BK, BM // 2])

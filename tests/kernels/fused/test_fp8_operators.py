@@ -43,8 +43,8 @@ def rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def whole(w: torch.Tensor) -> torch.Tensor:
-    """w (as the operator casts it, to bf16) quantised per tensor to e4m3 and back, in float64."""
-    w8, inv = quantize(w.bfloat16(), E4M3)
+    """w quantised per tensor to e4m3 as it is stored (float32: one rounding) and back, in float64."""
+    w8, inv = quantize(w, E4M3)
     return w8.double() * inv.double()
 
 
@@ -161,7 +161,8 @@ def rope_then_norm(h, cos, sin, head_dim):
 
 def qkv_float64(x, wq, wk, wv, cos, sin, grads, quantised):
     """(q, k, v, dx, dW of the stack) in float64: of the FP8 recipe (x's rows and the stacked weights
-    quantised, the gradient's input product over the rows of [dh | dv] quantised), or of the exact math."""
+    quantised, the gradient's input product over the rows of [dh | dv] quantised, dh in bf16), or of the
+    exact math."""
     head_dim = 2 * cos.shape[1]
     stack = torch.cat([wq, wk, wv])
     xq, wsq = (rows(x), whole(stack)) if quantised else (x.double(), stack.double())
@@ -171,7 +172,8 @@ def qkv_float64(x, wq, wk, wv, cos, sin, grads, quantised):
     v = xq @ wsq[nq + nk :].t()
     torch.autograd.backward([q, k], [grads[0].double(), grads[1].double()])
     joined = torch.cat([h.grad, grads[2].double()], dim=1)
-    dx = (rows(joined) if quantised else joined) @ wsq
+    # The operator writes dh in bf16 before it quantises the rows.
+    dx = (rows(torch.cat([h.grad.bfloat16(), grads[2]], dim=1)) if quantised else joined) @ wsq
     return q.detach(), k.detach(), v, dx, joined.t() @ x.double()
 
 
