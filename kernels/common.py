@@ -54,3 +54,18 @@ def capability(device: torch.device) -> tuple[int, int]:
     """A CUDA device's compute capability, looked up once (see sm_count)."""
     p = _device_properties(device)
     return p.major, p.minor
+
+
+@functools.cache
+def nvmma_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout (Hopper's swizzled NVMMA layout) of TMA blocks of this shape and dtype, made
+    once per block and dtype: building it costs more host time than the descriptor it goes into."""
+    from triton.experimental.gluon import language as gl  # Gluon only where a Hopper kernel launches
+
+    gl_dtypes = {
+        torch.bfloat16: gl.bfloat16,
+        torch.float16: gl.float16,
+        torch.float8_e4m3fn: gl.float8e4nv,
+        torch.float8_e5m2: gl.float8e5,
+    }
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtypes[dtype])

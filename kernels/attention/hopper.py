@@ -15,8 +15,6 @@ diagonal to its window's end; the blocks on the diagonal and at the window's edg
 run on the tile tables of plan.py (hopper_forward.py, hopper_backward.py).
 """
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -24,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.tools.ragged_tma import create_ragged_descriptor
 
-from kernels.common import capability
+from kernels.common import capability, nvmma_layout
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -171,12 +169,5 @@ def supported(*tensors: torch.Tensor) -> bool:
 def tma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """Ragged TMA descriptor of a [T, H, D] tensor for [rows, D] tiles of one head and one segment."""
     ragged = create_ragged_descriptor(x, [rows, 1, x.shape[2]])
-    return TensorDescriptor(x, ragged.shape, ragged.strides, ragged.block_shape,
-                            _layout(tuple(ragged.block_shape), x.dtype))
-
-
-@functools.cache
-def _layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    # Made once per block and dtype: building it costs more host time than the descriptor itself.
-    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+    layout = nvmma_layout(tuple(ragged.block_shape), x.dtype)
+    return TensorDescriptor(x, ragged.shape, ragged.strides, ragged.block_shape, layout)

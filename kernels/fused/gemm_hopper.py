@@ -42,8 +42,6 @@ over output tiles of BM x BN (tile t + i * programs). Three partitions:
   a in its backward, the residual) load it by TMA into the output buffer during the K loop.
 """
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -57,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.common import capability, sm_count
+from kernels.common import capability, nvmma_layout, sm_count
 from kernels.fused.numerics import RMS_EPS
 
 # Triton 3.6 names the TMA copies async_copy_*; later releases async_load / async_store.
@@ -281,12 +279,6 @@ def _matmul_kernel(a_desc, a2_desc, b_desc, b2_desc, c_desc, c2_desc, g_desc, Co
     ], [4, 1], [240, 24])
 
 
-GL_DTYPES = {
-    torch.bfloat16: gl.bfloat16,
-    torch.float16: gl.float16,
-    torch.float8_e4m3fn: gl.float8e4nv,
-    torch.float8_e5m2: gl.float8e5,
-}
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -306,14 +298,8 @@ def supported(*tensors: torch.Tensor) -> bool:
     )
 
 
-@functools.cache
-def _layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    # Made once per block and dtype: building it costs more host time than the descriptor itself.
-    return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
-
-
 def descriptor(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(x, block, _layout(tuple(block), x.dtype))
+    return TensorDescriptor.from_tensor(x, block, nvmma_layout(tuple(block), x.dtype))
 
 
 def _k_block(a: torch.Tensor, b: torch.Tensor, w_scale: torch.Tensor | None) -> int:

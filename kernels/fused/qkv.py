@@ -223,9 +223,17 @@ def qkv_rope_norm(x, wq, wk, wv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, 
     return q, k, v
 
 
-def _operands(x, wq, wk, wv, cos, sin, stack: bool = True):
-    """The forward operator's arguments (x, w, nq, nk, cos, sin), the shapes checked; w None without
-    stack."""
+def _operands(x, wq, wk, wv, cos, sin):
+    """The forward operator's arguments (x, w, nq, nk, cos, sin), the shapes checked."""
+    x, cos, sin = _inputs(x, wq, wk, wv, cos, sin)
+    # Cast and stacked once (one kernel when compiled; cast first, so that eager makes no fp32 stack): the
+    # backward's products read the stack as it is.
+    w = torch.cat([w.to(x.dtype) for w in (wq, wk, wv)])
+    return x, w, wq.shape[0], wk.shape[0], cos, sin
+
+
+def _inputs(x, wq, wk, wv, cos, sin):
+    """(x, cos, sin) as the operators take them, the shapes checked."""
     T, C = x.shape
     if any(w.shape[1] != C for w in (wq, wk, wv)) or cos.shape != sin.shape or cos.shape[0] != T:
         raise ValueError(
@@ -238,11 +246,7 @@ def _operands(x, wq, wk, wv, cos, sin, stack: bool = True):
         raise ValueError(
             f"wq {tuple(wq.shape)}, wk {tuple(wk.shape)}, wv {tuple(wv.shape)}: not whole heads of {head_dim}"
         )
-    angles = (t.to(wide(x.dtype)).contiguous() for t in (cos, sin))
-    # Cast and stacked once (one kernel when compiled; cast first, so that eager makes no fp32 stack): the
-    # backward's products read the stack as it is.
-    w = torch.cat([w.to(x.dtype) for w in (wq, wk, wv)]) if stack else None
-    return x.contiguous(), w, wq.shape[0], wk.shape[0], *angles
+    return x.contiguous(), *(t.to(wide(x.dtype)).contiguous() for t in (cos, sin))
 
 
 # ---- FP8 ------------------------------------------------------------------------------------------------
@@ -321,7 +325,7 @@ def qkv_rope_norm_fp8(x, wq, wk, wv, cos, sin) -> tuple[torch.Tensor, torch.Tens
     weights quantised as they are stored."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x {x.dtype}: the FP8 q/k/v take a bfloat16 input")
-    x, _, _, _, cos, sin = _operands(x, wq, wk, wv, cos, sin, stack=False)
+    x, cos, sin = _inputs(x, wq, wk, wv, cos, sin)
     w8, w_inv = fp8_weight(torch.cat([wq, wk, wv]))
     q, k, v, _ = qkv_rope_norm_fp8_fwd(x, wq, wk, wv, cos, sin, w8, w_inv)
     return q, k, v

@@ -454,8 +454,7 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None 
         return out
     if K == 0:
         return out.zero_()
-    plan = make_plan(M, N, K, sm_count(g.device), programs,
-                     split, stream_k_only)
+    plan = make_plan(M, N, K, sm_count(g.device), programs, split, stream_k_only)
     part = torch.empty(max(plan.slots, 1), BM, BN, device=g.device, dtype=torch.float32)
     g_desc = descriptor(g, [BK, BM // 2])
     _wgrad_kernel[(plan.programs,)](
