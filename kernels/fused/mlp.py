@@ -177,11 +177,13 @@ def relu2_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tens
 # every product's left operand (x, a, g, dh) quantised row by row to e4m3, its right one (W1, W2 and their
 # transposes) per tensor. The row scales multiply the rows in the products' epilogues, x's with its 1/rms
 # (so the norm stays unwritten, as in the bf16 operator), and the weight's scale the whole. a, dh and the
-# outputs are bf16, the weight gradients are the bf16 products of the operator above (wgrad_hopper.py).
-# The operators take the weights quantised (products.py's fp8_weight) from W1 and W2 as they are stored
-# (float32 masters: one rounding, no bf16 copy kept for the backward): by `relu2_mlp_fp8` for the forward,
-# by the registered backward for the backward's transposes. The forward takes W1 and W2 themselves only so
-# that autograd gives them their gradients (which it casts from bf16 to theirs).
+# outputs are bf16, the weight gradients are the bf16 products of the operator above (wgrad_hopper.py):
+# FP8 ones sum along the tokens, so both operands would first be quantised into transposed copies, which
+# costs more than the FP8 product saves (scripts/bench_fp8_wgrad.py). The operators take the weights
+# quantised (products.py's fp8_weight) from W1 and W2 as they are stored (float32 masters: one rounding, no
+# bf16 copy kept for the backward): by `relu2_mlp_fp8` for the forward, by the registered backward for the
+# backward's transposes. The forward takes W1 and W2 themselves only so that autograd gives them their
+# gradients (which it casts from bf16 to theirs).
 
 
 @torch.library.custom_op("varlen_gpt::relu2_mlp_fp8_fwd", mutates_args=())
