@@ -7,10 +7,13 @@ The four weight gradients of a block, G^T X summed over the tokens: the MLP's tw
 g^T a), q/k/v's ([dh | dv]^T x) and the output projection's (g^T y).
 - `bf16`: what `model.fp8=tensorwise` runs on Hopper (kernels/fused/products.py's weight_grad:
   wgrad_hopper.py's stream-K product where it is preferred, else cuBLAS).
-- `fp8`: nanochat's `--fp8` recipe for them (and model/fp8.py's `torch._scaled_mm` recipe): G per tensor in
-  e5m2 and X in e4m3, then torch._scaled_mm. Hopper's FP8 products read both operands along the sum, so G
-  and X are quantised into transposed copies, by torch.compile; `quantise` and `product` are its two parts,
-  and `product` alone is what it would cost if the kernels that make G and X wrote those copies.
+- `fp8`: the formats of nanochat's `--fp8` (and of model/fp8.py's `tensorwise`): G per tensor in e5m2 and X
+  in e4m3, then torch._scaled_mm. Those recipes quantise G and X per tensor for their other products too and
+  only copy the FP8 bytes transposed here; the Hopper recipe's operands have row scales, which vary along
+  the tokens that this sum runs over, so it would quantise G and X for these products alone. Hopper's FP8
+  products read both operands along the sum, so G and X are quantised straight into transposed copies, by
+  torch.compile; `quantise` and `product` are its two parts, and `product` alone is what it would cost if
+  the kernels that make G and X wrote those copies.
 Times are medians of CUDA-event timings (CUDA). `rel_err_*` is ||C - C_ref|| / ||C_ref|| against float64 math
 on the same operands (standard normal), for the format's rounding next to bf16's. On the CPU (no FP8
 products) the FP8 product is float32 math on the quantised operands and the times are wall-clock."""
