@@ -67,5 +67,6 @@ def nvmma_layout(block: tuple[int, ...], dtype: torch.dtype):
         torch.float16: gl.float16,
         torch.float8_e4m3fn: gl.float8e4nv,
         torch.float8_e5m2: gl.float8e5,
+        torch.float32: gl.float32,
     }
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtypes[dtype])

@@ -47,7 +47,6 @@ from kernels.fused import gemm_hopper as gh  # noqa: E402
 # The classes with blocks.gluon run these warp-specialised Gluon kernels on Hopper instead.
 GLUON_KERNELS = {
     "fwd": hopper_forward._fwd_persistent_kernel,
-    "dq": hopper_backward._dq_long_kernel,
     "dkdv": hopper_backward._dkdv_kernel,
 }
 KERNELS = {
@@ -75,8 +74,8 @@ FP8_GEMM_KERNELS = {
 }
 # The products of Hopper alone, each by its inspector: gemm_hopper's epilogues and wgrad_hopper's.
 HOPPER_PRODUCTS = [*GEMM_KERNELS, *FP8_GEMM_KERNELS, "wgrad"]
-FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd", "RowScale", "Part", "WScale"}
-INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots", "Counter"}
+FP32_POINTERS = {"Lse", "dLse", "Delta", "DQacc", "Cos", "Sin", "Rstd", "RowScale", "Part", "WScale"}
+INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots", "Counter", "Counts"}
 BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 # Integer arguments that a launch on aligned tensors sees as multiples of 16 (and specialises on).
 ALIGNED_INTS = {"T", "left", "right"}
@@ -115,6 +114,8 @@ def gluon_signature(kernel: str, fn, blocks: block_sizes.Blocks):
     from triton.experimental.gluon import language as gl
 
     def descriptor(name):
+        if name == "dq_desc":  # the dK/dV pass's float32 dQ columns, [64, 32] boxes
+            return f"tensordesc<fp32[64, 32],{gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32)!r}>"
         # The forward and dQ pass split 2 x 64-query tiles between the warpgroups and stream key blocks;
         # the dK/dV pass splits 2 x 64-key tiles and streams query blocks.
         query_side = name in ("q_desc", "do_desc")

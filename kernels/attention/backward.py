@@ -2,22 +2,20 @@
 
 One pass per query tile and head computes dQ (and delta = rowsum(dO * O) first); one pass per key tile and
 KV head computes dK and dV, looping over the query heads of its GQA group. Every gradient element is
-written by exactly one program, without atomics, so the backward is deterministic. (Deterministic ways to
-fold dQ into the dK/dV pass measured slower on an H200: adding dS K in a fixed order by spinning on
-per-block counters took about twice the backward, order-free fixed-point int64 sums were 1.46x slower on
-16k-token documents, and a warp-specialised Gluon pass that adds dS K by TMA into float32 sums, from the
-last key tile down, took 22.7 ms against these passes' 16.0 on the long mix: its float32 adds, a [64, 128]
-tile per block pair, cost more than the products they save, 19.6 ms even with the adds not waiting for
-their turn.) Causal attention over the whole past takes the short documents' dQ from the dS their dK/dV
-pass stores (see `backward`). On Hopper, the classes whose blocks say `gluon` run hopper_backward's
-warp-specialised passes instead.
+written by exactly one program, without atomics, so the backward is deterministic. (In Triton,
+deterministic ways to fold dQ into the dK/dV pass measured slower on an H200: adding dS K in a fixed order
+by spinning on per-block counters took about twice the backward, and order-free fixed-point int64 sums were
+1.46x slower on 16k-token documents.) Causal attention over the whole past takes the short documents' dQ
+from the dS their dK/dV pass stores (see `backward`). On Hopper, the dK/dV classes whose blocks say `gluon`
+run hopper_backward's warp-specialised pass instead, which also writes their documents' dQ: their dQ pass
+does not run.
 """
 
 import torch  # noqa: I001 (kernels.common must come before triton)
 
 from kernels.attention import hopper, hopper_backward
 from kernels.attention import block_sizes
-from kernels.attention.plan import ds_slot_count, planned, window_bounds
+from kernels.attention.plan import ds_slot_count, fused_shortest, planned, window_bounds
 from kernels.attention.tiles import (
     block_range, check_launch, load_pair, load_rows, padded_dim, program_tile, store_rows,
     tma_descriptors, visible,
@@ -310,6 +308,8 @@ def backward(
         )
 
     gluon = right == 0 and hopper.supported(q, k, v, dout) and out.is_contiguous() and dout.is_contiguous()
+    fused = fused_shortest(config, right)
+    fused_dq = None  # (tiles, rows per tile) of the dQ table of the documents whose dK/dV pass writes dQ
     for launch, tiles in tables:
         blocks, grid = launch.blocks, (tiles.shape[1], H)
         store_ds = doc_slots is not None and launch.shortest == 0  # the dK/dV class whose dS dq_stored reads
@@ -319,10 +319,8 @@ def backward(
                 out.stride(1), dout.stride(0), dout.stride(1), HEAD_DIM=D, BLOCK_D=BLOCK_D,
                 BLOCK=launch.block, HAS_DLSE=dlse is not None,
             )
-        elif launch.kernel == "dq" and blocks.gluon and gluon:
-            hopper_backward.backward_dq(
-                dout, q, k, v, out, lse, dlse, delta, dq, tiles, cu_seqlens, softmax_scale, blocks, left
-            )
+        elif launch.kernel == "dq" and gluon and fused is not None and launch.shortest >= fused:
+            fused_dq = (tiles, launch.block)  # the Gluon dK/dV pass writes these documents' dQ
         elif launch.kernel == "dq":
             k_desc, v_desc = tma_descriptors(blocks, blocks.n, BLOCK_D, k, v)
             _bwd_dq_kernel[grid](
@@ -335,7 +333,8 @@ def backward(
             )
         elif launch.kernel == "dkdv" and blocks.gluon and gluon and not store_ds:
             hopper_backward.backward_dkdv(
-                dout, q, k, v, lse, delta, dk, dv, tiles, cu_seqlens, softmax_scale, blocks, left
+                dout, q, k, v, lse, delta, dq, dk, dv, tiles, fused_dq[0], cu_seqlens, softmax_scale, blocks,
+                fused_dq[1], left,
             )
         elif launch.kernel == "dkdv":
             q_desc, do_desc = tma_descriptors(blocks, blocks.m, BLOCK_D, q, dout)

@@ -18,11 +18,11 @@ class Blocks(NamedTuple):
     # The inner loop's tiles come by TMA (Hopper's tensor memory accelerator, through a descriptor that
     # bounds each document in hardware) instead of per-thread loads, where that measured faster.
     tma: bool = False
-    # Head dim 128: on Hopper, causal calls over the whole past run the warp-specialised Gluon kernels of
-    # hopper_forward.py and hopper_backward.py instead (a load warp; two warpgroups of m / 2 query rows in
-    # the forward and dQ pass, of n / 2 keys in the dK/dV pass, which has no Gluon version for the class
-    # that stores dS: there one 168 KB program fills an SM, and over ~8 query blocks its fixed costs go
-    # unhidden; it measured 10-11% slower than the Triton pass).
+    # Head dim 128: on Hopper, causal calls run the warp-specialised Gluon kernels of hopper_forward.py and
+    # hopper_backward.py instead (a load warp; two warpgroups of m / 2 query rows in the forward, of n / 2
+    # keys in the dK/dV pass, which also adds up dQ, so that the dQ pass of its documents does not run).
+    # The class that stores dS has no Gluon version: there one 168 KB program fills an SM, and over ~8
+    # query blocks its fixed costs go unhidden; it measured 10-11% slower than the Triton pass.
     gluon: bool = False
 
 
@@ -59,7 +59,7 @@ def block_config(head_dim: int) -> Config:
     if head_dim <= 128:
         return {
             "fwd": [(None, Blocks(128, 128, 8, 3, True, True))],
-            "dq": [(None, Blocks(128, 64, 8, 3, False, True))],
+            "dq": [(None, Blocks(128, 64, 8, 3))],
             "dkdv": [(2048, Blocks(32, 64, 4, 3, True)), (None, Blocks(64, 128, 8, 2, False, True))],
             "dq_stored": Blocks(64, 64, 4, 3),
         }

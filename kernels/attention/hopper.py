@@ -1,14 +1,15 @@
 """What the warp-specialised Gluon passes on Hopper share (triton.experimental.gluon): the launch shape,
 the ring of TMA slots, the loads by ragged descriptor, and which tensors they take.
 
-Three partitions per program:
+The partitions of a program:
 - a load warp streams tiles by TMA into a ring of STAGES slots, each with its own mbarriers: K and V for
-  the forward and dQ pass (query tiles of 128 rows, one head), Q and dO for the dK/dV pass (key tiles of
-  128 rows, one kv head);
+  the forward (query tiles of 128 rows, one head), Q and dO for the dK/dV pass (key tiles of 128 rows, one
+  kv head);
 - two warpgroups own 64 of the tile's rows each. They wait only on their slot's mbarriers, never on a
-  CTA-wide barrier (triton's own pipeliner puts one around every TMA issue). In the forward and dQ pass
-  each issues the next key block's products before the current block's exponentials, so those run under
-  a product (FlashAttention-3's overlap within a warpgroup).
+  CTA-wide barrier (triton's own pipeliner puts one around every TMA issue). In the forward each issues
+  the next key block's products before the current block's exponentials, so those run under a product
+  (FlashAttention-3's overlap within a warpgroup);
+- in the dK/dV pass, a writer warp that adds each query block's share of dQ into float32 sums by TMA.
 Head dim 128, causal, over the whole past or a window of the last `left` keys: a query tile visits the key
 blocks from its window's first one (`first_block`) to the diagonal, a key tile the query blocks from the
 diagonal to its window's end; the blocks on the diagonal and at the window's edge are masked. The passes
@@ -16,8 +17,10 @@ run on the tile tables of plan.py (hopper_forward.py, hopper_backward.py).
 """
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.tools.ragged_tma import create_ragged_descriptor
@@ -26,6 +29,20 @@ from kernels.common import capability, nvmma_layout
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@builtin
+def _tma_add_36(tensor_desc, coord, src, _semantic=None):
+    """Triton 3.6's TMA add, which its Gluon builder has but no Python name: adds a shared-memory tile
+    into global memory at coord."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    add = ir.DESCRIPTOR_REDUCE_KIND.ADD
+    _semantic.builder.create_async_tma_reduce(add, tensor_desc.handle, coord, src.handle)
+
+
+tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
+# Triton 3.6 names the TMA store async_copy_shared_to_global; later releases async_store.
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 HEAD_DIM = 128

@@ -1,217 +1,54 @@
-"""The dQ and dK/dV passes of long documents on Hopper in Gluon, warp-specialised (see hopper.py for the
-partitions); one program per entry of the tile table and head (dQ) or kv head (dK/dV). Both take causal
-windows as the forward does.
+"""The backward of long documents on Hopper in Gluon: one warp-specialised pass (see hopper.py for the
+partitions) per key tile and kv head computes dK and dV and adds each query block's share of dQ into float32
+sums, which a small Triton pass scales into dQ. It takes causal windows as the forward does.
 """
 
+import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.attention.hopper import (
     LOG2E,
     MAX_REGISTERS,
     WARPS,
-    first_block,
     load_halves,
     mma_layout,
-    needs_mask,
     store_zeros,
     stream_pairs,
     table_entry,
     tile_ring,
+    tma_add,
     tma_descriptor,
-    transposed_slot,
+    tma_store,
 )
+from kernels.attention.tiles import program_tile
+from kernels.common import nvmma_layout
+
+# Triton 3.6 names the barrier of a partition's threads thread_barrier; later releases barrier.
+barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # ----------------------------------------------------------------------------------------------------------
-# dQ of long documents: the same partitions, with Q and dO held and dQ += dS K accumulated over key blocks
-
-
-@gluon.jit
-def _dq_load_partition(args):
-    """One warp: Q and dO once, then K and V of each key block the tile sees."""
-    (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, dOut,
-     Lse, dLse, Delta, dQ, start, length, head, kv_head, r0, lo, n_blocks, left, T, stride_t, qk_scale,
-     sm_scale) = args
-    mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
-    load_halves(q_desc, qdo_smem, q_bar, start, length, head, r0, 0)
-    load_halves(do_desc, qdo_smem, q_bar, start, length, head, r0, 2)
-    stream_pairs(
-        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, kv_head, lo, n_blocks, 0
-    )
-
-
-@gluon.jit
-def _row_delta(Out, dOut, dLse, Delta, rows, row0, head, length, T, stride_t, D: gl.constexpr,
-               HAS_DLSE: gl.constexpr, layout: gl.constexpr):
-    """delta = rowsum(dO * O) - dlse of the given rows, stored for the dK/dV pass and returned (fp32)."""
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    ok = rows < length
-    offs = (row0 + rows).to(gl.int64)[:, None] * stride_t + head * D + cols[None, :]
-    do = gl.load(dOut + offs, mask=ok[:, None], other=0.0).to(gl.float32)
-    o = gl.load(Out + offs, mask=ok[:, None], other=0.0).to(gl.float32)
-    delta = gl.sum(do * o, 1)
-    if HAS_DLSE:
-        delta -= gl.load(dLse + head * T + row0 + rows, mask=ok, other=0.0)
-    gl.store(Delta + head * T + row0 + rows, delta, mask=ok)
-    return delta
-
-
-@gluon.jit
-def _dq_partition(args, HALF_INDEX: gl.constexpr, HAS_DLSE: gl.constexpr):
-    """One warpgroup: dQ of its 64 query rows, dQ = sum over key blocks of dS K with P = exp2(S - lse) and
-    dS = P (dO V^T - delta). While dS K of a block runs, the next block's S and dP are computed."""
-    (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out, dOut,
-     Lse, dLse, Delta, dQ, start, length, head, kv_head, r0, lo, n_blocks, left, T, stride_t, qk_scale,
-     sm_scale) = args
-    HALF: gl.constexpr = q_desc.block_type.shape[2]
-    BN: gl.constexpr = k_desc.block_type.shape[2]
-    D: gl.constexpr = k_desc.block_type.shape[4]
-    NS: gl.constexpr = k_smem.type.shape[0]
-    mma_s: gl.constexpr = mma_layout(BN)
-    mma_d: gl.constexpr = mma_layout(D)
-    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_s)
-    col_layout: gl.constexpr = gl.SliceLayout(0, mma_s)
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-
-    first = r0 + HALF_INDEX * HALF
-    last_row = first + HALF - 1
-    delta = _row_delta(Out, dOut, dLse, Delta, first + gl.arange(0, HALF, layout=gl.SliceLayout(1, blocked)),
-                       start, head, length, T, stride_t, D, HAS_DLSE, blocked)
-    delta = gl.convert_layout(delta, row_layout)
-    rows = first + gl.arange(0, HALF, layout=row_layout)
-    # Rows past the document's end get lse = +inf, so P = 0 there (their Q and dO tiles read as zeros).
-    lse = gl.load(Lse + head * T + start + rows, mask=rows < length, other=float("inf")) * LOG2E
-    q = qdo_smem.index(HALF_INDEX).reshape([HALF, D])
-    do = qdo_smem.index(2 + HALF_INDEX).reshape([HALF, D])
-    zeros = gl.zeros([HALF, BN], gl.float32, mma_s)
-    mbarrier.wait(q_bar, 0)
-
-    # Ring entry i holds key block lo + i.
-    mbarrier.wait(k_ready.index(0), 0)
-    mbarrier.wait(v_ready.index(0), 0)
-    s = warpgroup_mma(q, transposed_slot(k_smem, 0, BN, D), zeros, use_acc=False, is_async=True)
-    dp = warpgroup_mma(do, transposed_slot(v_smem, 0, BN, D), zeros, use_acc=False, is_async=True)
-    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    ds = _dq_scores(s, dp, lse, delta, rows, lo, r0, last_row, left, BN, qk_scale, col_layout, ds_layout,
-                    k_smem.dtype)
-    dq = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_d))
-    for i in range(1, n_blocks - lo):
-        slot = i % NS
-        prev = (i - 1) % NS
-        phase = (i // NS) & 1
-        mbarrier.wait(k_ready.index(slot), phase)
-        s = warpgroup_mma(q, transposed_slot(k_smem, slot, BN, D), zeros, use_acc=False,
-                          is_async=True)
-        mbarrier.wait(v_ready.index(slot), phase)
-        dp = warpgroup_mma(do, transposed_slot(v_smem, slot, BN, D), zeros, use_acc=False,
-                           is_async=True)
-        dq = warpgroup_mma(ds, k_smem.index(prev).reshape([BN, D]), dq, is_async=True)
-        s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))
-        ds = _dq_scores(s, dp, lse, delta, rows, lo + i, r0, last_row, left, BN, qk_scale, col_layout,
-                        ds_layout, k_smem.dtype)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        mbarrier.arrive(kv_free.index(prev), count=1)
-        dq = warpgroup_mma_init(dq)
-    last = (n_blocks - lo - 1) % NS
-    dq = warpgroup_mma(ds, k_smem.index(last).reshape([BN, D]), dq, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-    mbarrier.arrive(kv_free.index(last), count=1)
-
-    rows_d = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_d))
-    cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, mma_d))
-    offs = (start + rows_d).to(gl.int64)[:, None] * stride_t + head * D + cols_d[None, :]
-    gl.store(dQ + offs, (dq * sm_scale).to(dQ.dtype.element_ty), mask=(rows_d < length)[:, None])
-
-
-@gluon.jit
-def _dq_scores(s, dp, lse, delta, rows, j, r0, last_row, left, BN: gl.constexpr, qk_scale,
-               col_layout: gl.constexpr, ds_layout: gl.constexpr, dtype: gl.constexpr):
-    """dS of key block j as the A operand of dS K; key blocks from the tile's first row r0 on need the
-    causal mask, and those before a row's window the window's."""
-    p = gl.exp2(s * qk_scale - lse[:, None])
-    if needs_mask(j, r0 // BN, last_row, left, BN):
-        cols = j * BN + gl.arange(0, BN, layout=col_layout)
-        p = gl.where((cols[None, :] <= rows[:, None]) & (cols[None, :] >= rows[:, None] - left), p, 0.0)
-    ds = p * (dp - delta[:, None])
-    return gl.convert_layout(ds.to(dtype), ds_layout)
-
-
-@gluon.jit
-def _dq_second_partition(args):
-    _dq_partition(args, 1, False)
-
-
-@gluon.jit
-def _dq_second_partition_dlse(args):
-    _dq_partition(args, 1, True)
-
-
-@gluon.jit
-def _dq_long_kernel(
-    q_desc, do_desc, k_desc, v_desc, Out, dOut, Lse, dLse, Delta, dQ, tiles, n_tiles, cu_seqlens, n_docs, T,
-    stride_t, group, qk_scale, sm_scale, left, HAS_DLSE: gl.constexpr, STAGES: gl.constexpr,
-):
-    HALF: gl.constexpr = q_desc.block_type.shape[2]
-    D: gl.constexpr = k_desc.block_type.shape[4]
-    segment, start, length, r0, n_blocks = table_entry(
-        gl.program_id(0), tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, k_desc.block_type.shape[2]
-    )
-    if segment < 0:
-        return
-    head = gl.program_id(1)
-    if n_blocks == 0:
-        _dq_empty(Out, dOut, dLse, Delta, dQ, start, head, r0, length, T, stride_t, 2 * HALF, D, HAS_DLSE)
-        return
-
-    qdo_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
-    k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = tile_ring(k_desc, v_desc, STAGES)
-
-    args = (q_desc, do_desc, k_desc, v_desc, qdo_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, Out,
-            dOut, Lse, dLse, Delta, dQ, start, length, head, head // group, r0,
-            first_block(r0, left, k_desc.block_type.shape[2]), n_blocks, left, T, stride_t, qk_scale,
-            sm_scale)
-    if HAS_DLSE:
-        gl.warp_specialize([
-            (_dq_partition, (args, 0, True)),
-            (_dq_second_partition_dlse, (args, )),
-            (_dq_load_partition, (args, )),
-        ], [4, 1], [240, 24])
-    else:
-        gl.warp_specialize([
-            (_dq_partition, (args, 0, False)),
-            (_dq_second_partition, (args, )),
-            (_dq_load_partition, (args, )),
-        ], [4, 1], [240, 24])
-
-
-@gluon.jit
-def _dq_empty(Out, dOut, dLse, Delta, dQ, start, head, r0, length, T, stride_t, BM: gl.constexpr,
-              D: gl.constexpr, HAS_DLSE: gl.constexpr):
-    """Rows with nothing to attend to (the tail past the last document): dQ = 0, and their delta."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    _row_delta(Out, dOut, dLse, Delta, rows, start, head, length, T, stride_t, D, HAS_DLSE, layout)
-    store_zeros(dQ, start, r0, length, head, stride_t, BM, D, layout)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# dK and dV of long documents: one program per (128-key tile, kv head); each warpgroup owns 64 of its keys
-# and accumulates their dK and dV over the query blocks that the load warp streams
+# dK, dV and dQ of long documents: one program per (128-key tile, kv head); each warpgroup owns 64 of its keys
+# and accumulates their dK and dV over the query blocks that the load warp streams; a writer warp adds each
+# query block's share of dQ = dS K into float32 sums, in a fixed order of key tiles (so deterministically)
 
 
 @gluon.jit
 def _dkdv_load_partition(args):
     """One warp: K and V of the tile once, then Q and dO of each query block of each head of the group."""
-    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, kv_bar, q_ready, do_ready, qdo_free, Lse,
-     Delta, dK, dV, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale,
-     sm_scale) = args
+    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
+     ds_bar, dq_desc, stage, dq_full, dq_empty, Lse, Delta, dK, dV, Counts, n_counted, segment, start,
+     length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     load_halves(k_desc, kv_smem, kv_bar, start, length, kv_head, c0, 0)
     load_halves(v_desc, kv_smem, kv_bar, start, length, kv_head, c0, 2)
@@ -222,46 +59,112 @@ def _dkdv_load_partition(args):
 
 
 @gluon.jit
+def _wait_count(counter, target):
+    """Spins until the int32 at each address reaches target; the proxy fence orders the TMA writes that
+    follow after what the count covers."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .pred done;
+        spin_${:uid}:
+        ld.relaxed.gpu.global.b32 $0, [$1];
+        setp.ge.s32 done, $0, $2;
+        @!done bra spin_${:uid};
+        fence.proxy.async.global;
+        }""",
+        "=r,l,r", [counter, target], dtype=gl.int32, is_pure=False, pack=1,
+    )
+
+
+@gluon.jit
+def _bulk_wait(x):
+    """Waits until this thread's TMA writes are done (written, not only read from shared memory); returns
+    x, to order what depends on them."""
+    return gl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _dq_writer_partition(args):
+    """One warp: each step's dQ tiles of both warpgroups into the float32 sums, by TMA. The contributions to a
+    query block come from the last key tile that it sees down to the first: the order in which the key
+    tiles reach it, since tile c visits query blocks from its diagonal on and tile c + 1's diagonal is two
+    blocks later. A tile's tiles are stored when it is the first, else added once the block's count says
+    that the `rank` tiles before it are done; the count is raised once the writes have landed. The tile
+    table runs a document's last key tile first, so the tile a program waits for has already started."""
+    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
+     ds_bar, dq_desc, stage, dq_full, dq_empty, Lse, Delta, dK, dV, Counts, n_counted, segment, start,
+     length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
+    BM: gl.constexpr = dq_desc.block_type.shape[0]
+    COLS: gl.constexpr = dq_desc.block_type.shape[1]
+    TILE: gl.constexpr = 2 * k_desc.block_type.shape[2]
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    zero_each = gl.zeros([32], gl.int32, lanes)
+    one_each = gl.full([32], 1, gl.int32, lanes)
+    tile = c0 // TILE
+    last_tile = (length - 1) // TILE
+    j = 0
+    for h in range(group):
+        head = kv_head * group + h
+        for qb in range(q_lo, n_q):
+            buf = j % 2
+            # Key tiles after this one up to the last that this block's rows see have written to it before.
+            rank = gl.minimum((gl.minimum(qb * BM + BM, length) - 1) // TILE, last_tile) - tile
+            at = head * n_counted + start // BM + segment + qb
+            mbarrier.wait(dq_full.index(buf), (j // 2) & 1)
+            if rank > 0:
+                _wait_count(Counts + at + zero_each, 32 * rank)
+            for wg in gl.static_range(2):
+                for half in gl.static_range(2):
+                    src = stage.index(2 * buf + wg).slice(half * COLS, COLS, dim=1)
+                    if rank == 0:
+                        tma_store(dq_desc, [(2 * at + wg) * BM, half * COLS], src)
+                    else:
+                        tma_add(dq_desc, [(2 * at + wg) * BM, half * COLS], src)
+            # Each lane raises the count once its own writes (the TMA's, from one of them) have landed.
+            gl.atomic_add(Counts + at + _bulk_wait(zero_each), one_each, sem="release", scope="gpu")
+            mbarrier.arrive(dq_empty.index(buf), count=1)
+            j += 1
+
+
+@gluon.jit
 def _dkdv_partition(args, WG: gl.constexpr):
     """Warpgroup WG: dV = sum over query blocks of P^T dO and dK = sum of dS^T Q for keys
-    c0 + 64 WG .. c0 + 64 WG + 63, computed transposed ([keys, queries]) so that the keys stay rows. Of the
-    query blocks q_lo .. n_q - 1 that the load warp streams, a warpgroup skips those that see none of its
-    keys: the first for WG 1 (its keys come after every query there), the last under a window for WG 0
-    (their queries' windows end before its keys)."""
-    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, kv_bar, q_ready, do_ready, qdo_free, Lse,
-     Delta, dK, dV, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale,
-     sm_scale) = args
+    c0 + 64 WG .. c0 + 64 WG + 63, computed transposed ([keys, queries]) so that the keys stay rows, and
+    columns 64 WG .. 64 WG + 63 of each query block's dQ = dS K over the tile's 128 keys, with the other
+    warpgroup's half of dS from shared memory, handed to the writer warp through a staging buffer."""
+    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
+     ds_bar, dq_desc, stage, dq_full, dq_empty, Lse, Delta, dK, dV, Counts, n_counted, segment, start,
+     length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
+    DH: gl.constexpr = D // 2
     NS: gl.constexpr = q_smem.type.shape[0]
     mma_s: gl.constexpr = mma_layout(BM)
     mma_d: gl.constexpr = mma_layout(D)
+    mma_q: gl.constexpr = mma_layout(DH)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
     query_layout: gl.constexpr = gl.SliceLayout(0, mma_s)
     vector: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
 
     first_key = c0 + WG * HALF
     last_key = first_key + HALF - 1
-    # The query blocks whose rows see some of these keys end with the one that holds last_key + left.
-    q_hi = gl.minimum(gl.cdiv(last_key + 1 + left, BM), n_q)
     keys = first_key + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_s))
     k = kv_smem.index(WG).reshape([HALF, D])
     v = kv_smem.index(2 + WG).reshape([HALF, D])
+    # The B operands of this warpgroup's dQ columns: those columns of K, for each half of the tile's keys.
+    k_first = kv_smem.index(0).reshape([HALF, D]).slice(WG * DH, DH, dim=1)
+    k_second = kv_smem.index(1).reshape([HALF, D]).slice(WG * DH, DH, dim=1)
     zeros = gl.zeros([HALF, BM], gl.float32, mma_s)
+    zeros_q = gl.zeros([BM, DH], gl.float32, mma_q)
     dk = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_d))
     dv = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_d))
     mbarrier.wait(kv_bar, 0)
     j = 0
     for h in range(group):
         head = kv_head * group + h
-        if WG == 1:
-            # These keys come after every query of the first query block. The wait keeps this warpgroup
-            # from freeing a slot twice before the other has used it once.
-            mbarrier.wait(q_ready.index(j % NS), (j // NS) & 1)
-            mbarrier.arrive(qdo_free.index(j % NS), count=1)
-            j += 1
-        for qb in range(q_lo + WG, q_hi):
+        for qb in range(q_lo, n_q):
             slot = j % NS
             phase = (j // NS) & 1
             q = q_smem.index(slot).reshape([BM, D])
@@ -270,32 +173,40 @@ def _dkdv_partition(args, WG: gl.constexpr):
             s = warpgroup_mma(k, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(slot), phase)
             dp = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-            # Queries past the document's end get lse = +inf, so P = 0 there (their tiles read as zeros).
-            # Loaded one per thread and spread to the product's columns only once they are needed: in
-            # that layout each thread holds 16 of them, registers the accumulators need.
             queries = qb * BM + gl.arange(0, BM, layout=vector)
             ok = queries < length
             lse = gl.load(Lse + head * T + start + queries, mask=ok, other=float("inf")) * LOG2E
             delta = gl.load(Delta + head * T + start + queries, mask=ok, other=0.0)
             s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
             p = gl.exp2(s * qk_scale - gl.convert_layout(lse, query_layout)[None, :])
-            # Masked: the diagonal blocks (queries before some key) and those at the window's end (queries
-            # whose window begins after some key).
             if (qb * BM < last_key) | (qb * BM + BM - 1 > first_key + left):
                 cols = qb * BM + gl.arange(0, BM, layout=query_layout)
                 seen = (cols[None, :] >= keys[:, None]) & (cols[None, :] <= keys[:, None] + left)
                 p = gl.where(seen, p, 0.0)
-            ds = p * (dp - gl.convert_layout(delta, query_layout)[None, :])
+            ds = (p * (dp - gl.convert_layout(delta, query_layout)[None, :])).to(q_desc.dtype)
             dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds.to(q_desc.dtype), operand), q, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            dk = warpgroup_mma(gl.convert_layout(ds, operand), q, dk, is_async=True)
+            # dS^T of both warpgroups in shared memory, two buffers deep: a warpgroup overwrites a buffer
+            # only after the other has arrived on the next one, so after its products that read it.
+            buf = j % 2
+            ds_smem.index(2 * buf + WG).store(ds)
+            fence_async_shared()
+            barrier()
+            mbarrier.arrive(ds_bar.index(buf), count=1)
+            mbarrier.wait(ds_bar.index(buf), (j // 2) & 1)
+            dq = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)), k_first, zeros_q, use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)), k_second, dq, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
             mbarrier.arrive(qdo_free.index(slot), count=1)
+            # A staging buffer's first use waits on phase 1, which a fresh mbarrier counts as complete.
+            mbarrier.wait(dq_empty.index(buf), ((j // 2) & 1) ^ 1)
+            stage.index(2 * buf + WG).store(dq)
+            fence_async_shared()
+            barrier()
+            mbarrier.arrive(dq_full.index(buf), count=1)
             dv = warpgroup_mma_init(dv)
             dk = warpgroup_mma_init(dk)
-            j += 1
-        for _ in range(q_hi, n_q):
-            mbarrier.wait(q_ready.index(j % NS), (j // NS) & 1)
-            mbarrier.arrive(qdo_free.index(j % NS), count=1)
             j += 1
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
 
@@ -314,8 +225,8 @@ def _dkdv_second_partition(args):
 
 @gluon.jit
 def _dkdv_kernel(
-    q_desc, do_desc, k_desc, v_desc, Lse, Delta, dK, dV, tiles, n_tiles, cu_seqlens, n_docs, T, stride_kvt,
-    group, qk_scale, sm_scale, left, STAGES: gl.constexpr,
+    q_desc, do_desc, k_desc, v_desc, dq_desc, Lse, Delta, dK, dV, Counts, n_counted, tiles, n_tiles,
+    cu_seqlens, n_docs, T, stride_kvt, group, qk_scale, sm_scale, left, STAGES: gl.constexpr,
 ):
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HALF: gl.constexpr = k_desc.block_type.shape[2]
@@ -334,51 +245,81 @@ def _dkdv_kernel(
 
     q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_free = tile_ring(q_desc, do_desc, STAGES)
     kv_smem = gl.allocate_shared_memory(k_desc.dtype, [4] + k_desc.block_type.shape, k_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ds_smem = gl.allocate_shared_memory(k_desc.dtype, [4, HALF, BM], ds_layout)
+    # Each warpgroup's dQ columns of a step, two steps deep, for the writer warp.
+    stage = gl.allocate_shared_memory(gl.float32, [4, BM, D // 2], dq_desc.layout)
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bar.index(i), count=2)
+        mbarrier.init(dq_full.index(i), count=2)
+        mbarrier.init(dq_empty.index(i), count=1)
     # The tile's keys are seen by query blocks c0 / BM .. n_q - 1: up to the one that holds its last key
     # plus the window.
     n_q = gl.cdiv(gl.minimum(c0 + 2 * HALF + left, length), BM)
-    args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, kv_bar, q_ready, do_ready, qdo_free,
-            Lse, Delta, dK, dV, start, length, kv_head, group, c0, c0 // BM, n_q, left, T, stride_kvt,
-            qk_scale, sm_scale)
+    args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready,
+            qdo_free, ds_bar, dq_desc, stage, dq_full, dq_empty, Lse, Delta, dK, dV, Counts, n_counted,
+            segment, start, length, kv_head, group, c0, c0 // BM, n_q, left, T, stride_kvt, qk_scale,
+            sm_scale)
     gl.warp_specialize([
         (_dkdv_partition, (args, 0)),
         (_dkdv_second_partition, (args, )),
         (_dkdv_load_partition, (args, )),
-    ], [4, 1], [240, 24])
+        (_dq_writer_partition, (args, )),
+    ], [4, 1, 1], [240, 24, 24])
 
 
-def backward_dq(
-    dout, q, k, v, out, lse, dlse, delta, dq, tiles, cu_seqlens, softmax_scale: float, blocks, left: int
+@triton.jit
+def _dq_from_sums(
+    DQacc, dQ, tiles, n_tiles, cu_seqlens, n_docs, T, n_counted, stride_t, sm_scale, BM: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Writes dq [T, H, D] and delta [H, T] (as backward.py's dQ pass) for the query tiles of `tiles`,
-    causal with query i seeing keys i - left .. i (left >= T: the whole past)."""
-    T, H, D = q.shape
-    if (blocks.m, blocks.n, blocks.warps) != (128, 64, 8):
-        raise ValueError(f"the Gluon dQ pass runs 64-key blocks and two 64-row warpgroups, not {blocks}")
-    if not (out.is_contiguous() and dout.is_contiguous() and dq.is_contiguous()):
-        raise ValueError("the Gluon dQ pass takes contiguous out, dout and dq")
-    n_tiles = tiles.shape[1]
-    _dq_long_kernel[(n_tiles, H)](
-        tma_descriptor(q, blocks.m // 2), tma_descriptor(dout, blocks.m // 2), tma_descriptor(k, blocks.n),
-        tma_descriptor(v, blocks.n), out, dout, lse, lse if dlse is None else dlse, delta, dq, tiles, n_tiles,
-        cu_seqlens, cu_seqlens.numel() - 1, T, dq.stride(0), H // k.shape[1], softmax_scale * LOG2E.value,
-        softmax_scale, left, HAS_DLSE=dlse is not None, STAGES=blocks.stages, num_warps=WARPS,
-        maxnreg=MAX_REGISTERS,
-    )
+    """dQ of the rows of a tile of the long documents' dQ table: the float32 sums that the dK/dV pass left,
+    one [BM, D / 2] tile per (block, half of the columns), scaled and cast."""
+    segment, block, first, length, _ = program_tile(tiles, n_tiles, cu_seqlens, n_docs, T)
+    if segment < 0:
+        return
+    head = tl.program_id(1)
+    rows = block * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    qb = rows // BM
+    at = 2 * (head * n_counted + first // BM + segment + qb)[:, None] + cols[None, :] // (D // 2)
+    acc = tl.load(DQacc + (at * BM + (rows % BM)[:, None]).to(tl.int64) * (D // 2) + cols[None, :] % (D // 2),
+                  mask=(rows < length)[:, None], other=0.0)
+    offs = (first + rows).to(tl.int64)[:, None] * stride_t + head * D + cols[None, :]
+    tl.store(dQ + offs, (acc * sm_scale).to(dQ.dtype.element_ty), mask=(rows < length)[:, None])
 
 
 def backward_dkdv(
-    dout, q, k, v, lse, delta, dk, dv, tiles, cu_seqlens, softmax_scale: float, blocks, left: int
+    dout, q, k, v, lse, delta, dq, dk, dv, tiles, dq_tiles, cu_seqlens, softmax_scale: float, blocks,
+    dq_block: int, left: int,
 ) -> None:
-    """Writes dk and dv [T, H_kv, D] (as backward.py's dK/dV pass) for the key tiles of `tiles`, causal with
-    query i seeing keys i - left .. i (left >= T: the whole past)."""
+    """Writes dk and dv [T, H_kv, D] for the key tiles of `tiles`, and dq [T, H, D] for the query tiles of
+    `dq_tiles` (dq_block rows each, over the same documents), causal with query i seeing keys
+    i - left .. i (left >= T: the whole past), from delta as the delta pass writes it. `tiles` must list
+    each document's key tiles from the last to the first."""
     T, H, D = q.shape
     if (blocks.m, blocks.n, blocks.warps) != (64, 128, 8):
         raise ValueError(f"the Gluon dK/dV pass runs 64-query blocks and two 64-key warpgroups, not {blocks}")
-    n_tiles = tiles.shape[1]
+    n_tiles, n_docs = tiles.shape[1], cu_seqlens.numel() - 1
+    # A count per (head, query block); block b of a document from token s is s // 64 + its segment + b,
+    # which no block of another document shares. Its float32 dQ sums: a [64, D / 2] tile per half of D.
+    n_counted = T // blocks.m + n_docs + 1
+    counts = torch.zeros(H * n_counted, dtype=torch.int32, device=q.device)
+    sums = torch.empty(2 * counts.numel() * blocks.m, D // 2, dtype=torch.float32, device=q.device)
+    box = [blocks.m, 32]
+    sums_desc = TensorDescriptor(
+        sums, list(sums.shape), list(sums.stride()), box, nvmma_layout(tuple(box), torch.float32)
+    )
     _dkdv_kernel[(n_tiles, k.shape[1])](
         tma_descriptor(q, blocks.m), tma_descriptor(dout, blocks.m), tma_descriptor(k, blocks.n // 2),
-        tma_descriptor(v, blocks.n // 2), lse, delta, dk, dv, tiles, n_tiles, cu_seqlens,
-        cu_seqlens.numel() - 1, T, dk.stride(0), H // k.shape[1], softmax_scale * LOG2E.value, softmax_scale,
+        tma_descriptor(v, blocks.n // 2), sums_desc, lse, delta, dk, dv, counts, n_counted, tiles, n_tiles,
+        cu_seqlens, n_docs, T, dk.stride(0), H // k.shape[1], softmax_scale * LOG2E.value, softmax_scale,
         left, STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+    )
+    _dq_from_sums[(dq_tiles.shape[1], H)](
+        sums, dq, dq_tiles, dq_tiles.shape[1], cu_seqlens, n_docs, T, n_counted, dq.stride(0), softmax_scale,
+        BM=blocks.m, D=D, BLOCK=dq_block,
     )

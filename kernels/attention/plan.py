@@ -118,18 +118,29 @@ def _stored_longest(config: Config, left: int, right: int) -> int:
     return 0
 
 
+def fused_shortest(config: Config, right: int) -> int | None:
+    """Documents longer than this take their dQ from the Gluon dK/dV pass on Hopper (see hopper_backward):
+    those of its `gluon` classes, under a causal mask; None for none."""
+    gluon = [lo for lo, _, b in _classes(config["dkdv"], 1 << 62, 1 << 62) if b.gluon]
+    return min(gluon) if gluon and right == 0 else None
+
+
 def _launches(config: Config, T: int, max_seqlen: int, left: int, right: int) -> list[_Launch]:
     """The launches of a forward and a backward call over documents of at most max_seqlen tokens, in order."""
     stored = _stored_longest(config, left, right)
+    fused = fused_shortest(config, right)
     launches = [_Launch("fwd", b, b.m, True, lo, hi) for lo, hi, b in _classes(config["fwd"], T, max_seqlen)]
-    if stored:
-        launches.append(_Launch("delta", None, DELTA_ROWS, False, 0, stored))
+    # delta, for the dK/dV passes that run before a dQ pass or compute dQ themselves (the dQ pass of the
+    # other documents writes it; on other GPUs it writes the fused documents' delta a second time).
+    if stored or fused is not None:
+        launches.append(_Launch("delta", None, DELTA_ROWS, False, 0, T if fused is not None else stored))
     for lo, hi, b in _classes(config["dq"], T, max_seqlen):
         if max(lo, stored) < min(hi, max_seqlen):
             launches.append(_Launch("dq", b, b.m, True, max(lo, stored), hi))
-    # Under a causal mask the first key blocks are seen by the most queries: run them first.
+    # Under a causal mask the first key blocks are seen by the most queries: run them first, except in the
+    # Gluon pass, whose dQ adds wait for the key tiles after them (see hopper_backward).
     launches += [
-        _Launch("dkdv", b, b.n, False, lo, hi) for lo, hi, b in _classes(config["dkdv"], T, max_seqlen)
+        _Launch("dkdv", b, b.n, b.gluon, lo, hi) for lo, hi, b in _classes(config["dkdv"], T, max_seqlen)
     ]
     if stored:
         b, store = config["dq_stored"], config["dkdv"][0][1]
