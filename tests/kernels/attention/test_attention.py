@@ -11,7 +11,14 @@ import math
 import pytest
 import torch
 
-from kernels.attention import attention_masked, attention_reference, flash_attn_plan, flash_attn_varlen
+from kernels.attention import (
+    attention_masked,
+    attention_reference,
+    block_sizes,
+    flash_attn_plan,
+    flash_attn_varlen,
+    plan,
+)
 from kernels.attention.block_sizes import block_config
 from kernels.attention.op import flash_attn_varlen_fwd
 from kernels.attention.plan import tile_table
@@ -292,6 +299,31 @@ def test_plan_bounded_by_max_seqlen_skips_the_longer_classes():
         flash_attn_plan(cu, T, 32, window_size=(-1, 0), max_seqlen=23)
     with pytest.raises(ValueError, match="max_seqlen must be positive"):
         flash_attn_plan(cu, T, 32, max_seqlen=0)
+
+
+@pytest.mark.parametrize("left", [65536, 512], ids=["past", "w512"])
+def test_gpu_plan_feeds_the_gluon_backward_what_it_needs(left, monkeypatch):
+    """The GPU's launches at head dim 128 (the interpreter runs other blocks, and no Gluon): the dK/dV class
+    that also writes dQ on Hopper must list each document's key tiles from the last to the first (its dQ
+    adds wait for the tiles after them, which must have started), and delta, which that pass reads, and
+    the dQ table of the same documents, from which its float32 sums are scaled into dQ, must come before it.
+    On other GPUs the same tables run the Triton passes."""
+    monkeypatch.setattr(block_sizes, "INTERPRET", False)
+    config = block_sizes.block_config(128)
+    fused = plan.fused_shortest(config, right=0)
+    assert fused == 2048
+    launches = plan._launches(config, 65536, 65536, left, 0)
+    kernels = [launch.kernel for launch in launches]
+    gluon = [i for i, launch in enumerate(launches) if launch.kernel == "dkdv" and launch.blocks.gluon]
+    assert gluon and all(launches[i].last_block_first and launches[i].shortest >= fused for i in gluon)
+    delta = kernels.index("delta")
+    assert launches[delta].shortest == 0 and launches[delta].longest == 65536 and delta < min(gluon)
+    dq = [i for i, launch in enumerate(launches) if launch.kernel == "dq" and launch.shortest >= fused]
+    assert len(dq) == 1 and dq[0] < min(gluon)
+    assert (launches[dq[0]].shortest, launches[dq[0]].longest) == (fused, 65536)
+    assert {(launches[i].shortest, launches[i].longest) for i in gluon} == {(fused, 65536)}
+    # Two-sided windows have no Gluon pass, and their dQ pass writes delta.
+    assert plan.fused_shortest(config, right=64) is None
 
 
 def test_plan_that_does_not_fit_the_call_is_refused():
