@@ -56,4 +56,8 @@ def test_a_rank_hanging_in_training_ends_the_job_after_the_timeout(tmp_path, cor
         kill_everything(proc)
     assert TIMEOUT_S <= waited < 60
     assert logged_steps(run_dir) < 200
-    assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in log.read_text()
+    # gloo names the timeout where a rank waited, or where it closed the connection to the stopped rank.
+    text = log.read_text()
+    assert any(
+        m in text for m in (f"Timed out waiting {TIMEOUT_S * 1000}ms", "Application timeout caused pair")
+    )
