@@ -74,7 +74,7 @@ FP8_GEMM_KERNELS = {
 }
 # The products of Hopper alone, each by its inspector: gemm_hopper's epilogues and wgrad_hopper's.
 HOPPER_PRODUCTS = [*GEMM_KERNELS, *FP8_GEMM_KERNELS, "wgrad"]
-FP32_POINTERS = {"Lse", "dLse", "Delta", "DQacc", "Cos", "Sin", "Rstd", "RowScale", "Part", "WScale"}
+FP32_POINTERS = {"Lse", "dLse", "Delta", "Cos", "Sin", "Rstd", "RowScale", "Part", "WScale"}
 INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots", "Counter", "Counts"}
 BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 # Integer arguments that a launch on aligned tensors sees as multiples of 16 (and specialises on).
