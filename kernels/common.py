@@ -56,6 +56,11 @@ def capability(device: torch.device) -> tuple[int, int]:
     return p.major, p.minor
 
 
+def is_hopper(device: torch.device) -> bool:
+    """Whether a device is a Hopper GPU (sm_90), which runs the Gluon kernels."""
+    return device.type == "cuda" and capability(device)[0] == 9
+
+
 @functools.cache
 def nvmma_layout(block: tuple[int, ...], dtype: torch.dtype):
     """The shared-memory layout (Hopper's swizzled NVMMA layout) of TMA blocks of this shape and dtype, made

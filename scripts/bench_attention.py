@@ -306,8 +306,10 @@ def tune(head_dims, mixes, heads, tokens, kernels=KERNELS, window: int = -1) -> 
     dS tiles: its key blocks, and 64 query rows where that is a multiple of its own, else its own."""
     from kernels.attention import block_sizes
     from kernels.attention.block_sizes import Blocks
+    from kernels.common import is_hopper
 
     default_config = block_sizes.block_config
+    on_hopper = is_hopper(torch.device("cuda"))
     tma = True
     candidates = {
         "fwd": [
@@ -360,7 +362,7 @@ def tune(head_dims, mixes, heads, tokens, kernels=KERNELS, window: int = -1) -> 
             which = -1 if mix == "c_long" else 0
             for kernel in kernels:
                 for blocks in candidates[kernel]:
-                    config = default_config(head_dim)
+                    config = default_config(head_dim, on_hopper)
                     entries = list(config[kernel])
                     entries[which] = (entries[which][0], blocks)
                     changed = {kernel: entries}
@@ -369,7 +371,10 @@ def tune(head_dims, mixes, heads, tokens, kernels=KERNELS, window: int = -1) -> 
                         m = 64 if 64 % blocks.m == 0 and 64 <= blocks.n else blocks.m
                         changed["dq_stored"] = config["dq_stored"]._replace(m=m, n=blocks.n)
                         row["dq_stored"] = list(changed["dq_stored"])
-                    block_sizes.block_config = lambda d, changed=changed: {**default_config(d), **changed}
+                    block_sizes.block_config = lambda d, hopper=False, changed=changed: {
+                        **default_config(d, hopper),
+                        **changed,
+                    }
                     run(row, "fwd" if kernel == "fwd" else "bwd", *batch, lengths, flops)
                     block_sizes.block_config = default_config
     return rows

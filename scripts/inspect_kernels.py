@@ -3,7 +3,8 @@ without a GPU, and report what the compiler made of them.
 
     python scripts/inspect_kernels.py [--head-dim 128] [--arch 90] [--kernels ...] [--dump DIR]
 
-For each attention kernel and length class of `block_config`, and for the Gluon products (Hopper only:
+For each attention kernel and length class of `block_config` (the one for the architecture), and for the
+Gluon products (Hopper only:
 kernels/fused/gemm_hopper.py's MLP `relu2` and `relu2_grad`, attention's `rope_norm`, the `residual`
 projection, the MLP's output with its residual `mlp_out` and the plain `joined` product;
 kernels/fused/wgrad_hopper.py's `wgrad`):
@@ -81,10 +82,10 @@ BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 ALIGNED_INTS = {"T", "left", "right"}
 
 
-def signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks):
+def signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks, arch: int):
     """(signature, constexprs, attrs) of a launch as kernels/attention/forward.py and backward.py make it."""
     block_d = tiles.padded_dim(head_dim)
-    config = block_sizes.block_config(head_dim)
+    config = block_sizes.block_config(head_dim, on_hopper=arch == 90)
     store_blocks = config["dkdv"][0][1]
     # As in kernels/attention/plan.py's _stored_longest: the first dK/dV class stores dS only where a
     # dq_stored pass reads it back.
@@ -239,7 +240,7 @@ def inspect_kernel(
         options = dict(num_warps=hopper.WARPS, maxnreg=hopper.MAX_REGISTERS)
     else:
         fn = KERNELS[kernel]
-        sig, constexprs, attrs = signature(kernel, fn, head_dim, blocks)
+        sig, constexprs, attrs = signature(kernel, fn, head_dim, blocks, arch)
         source = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         options = dict(num_warps=blocks.warps, num_stages=blocks.stages)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
@@ -367,7 +368,7 @@ def main():
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     args = parser.parse_args()
 
-    config = block_sizes.block_config(args.head_dim)
+    config = block_sizes.block_config(args.head_dim, on_hopper=args.arch == 90)
     if not args.json:
         print(f"triton {triton.__version__}, sm_{args.arch}, head dim {args.head_dim}")
         print(

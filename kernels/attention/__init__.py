@@ -10,7 +10,7 @@ Public surface:
 - `attention_reference` (a loop over documents; the ground truth of the tests) and `attention_masked`
   (one dense mask; the CPU backend).
 
-The modules behind them are internal: op.py (the custom ops), plan.py (tile tables and plans), blocks.py
+The modules behind them are internal: op.py (the custom ops), plan.py (tile tables and plans), block_sizes.py
 (block sizes), tiles.py, forward.py and backward.py (the Triton passes), hopper*.py (the Gluon passes).
 `flash_attn_varlen` and `flash_attn_plan` are imported on first use, so that the references (the CPU path)
 work where Triton is not installed.

@@ -5,10 +5,10 @@ KV head computes dK and dV, looping over the query heads of its GQA group. Every
 written by exactly one program, without atomics, so the backward is deterministic. (In Triton,
 deterministic ways to fold dQ into the dK/dV pass measured slower on an H200: adding dS K in a fixed order
 by spinning on per-block counters took about twice the backward, and order-free fixed-point int64 sums were
-1.46x slower on 16k-token documents.) Causal attention over the whole past takes the short documents' dQ
-from the dS their dK/dV pass stores (see `backward`). On Hopper, the dK/dV classes whose blocks say `gluon`
-run hopper_backward's warp-specialised pass instead, which also writes their documents' dQ: their dQ pass
-does not run.
+1.46x slower on 16k-token documents.) Causal attention takes the short documents' dQ from the dS their
+dK/dV pass stores, where the block config says so (see `backward`). On Hopper, the dK/dV classes whose
+blocks say `gluon` (at head dim 128, every document) run hopper_backward's warp-specialised pass instead,
+which also writes their documents' dQ: their dQ pass does not run.
 """
 
 import torch  # noqa: I001 (kernels.common must come before triton)
@@ -20,7 +20,7 @@ from kernels.attention.tiles import (
     block_range, check_launch, load_pair, load_rows, padded_dim, program_tile, store_rows,
     tma_descriptors, visible,
 )
-from kernels.common import LOG2E
+from kernels.common import LOG2E, is_hopper
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -280,15 +280,16 @@ def backward(
     """(dq, dk, dv) shaped like (q, k, v). dlse, the gradient on lse, may be None; plan and max_seqlen as
     in `forward`.
 
-    Causal attention (over the whole past or a window) takes the short documents' dQ from the dS that their
-    dK/dV pass stores (bf16, about longest * T * H / 2 values for documents of up to `longest` tokens, the
-    first dK/dV length class), instead of recomputing S and dP in a pass of its own. Two-sided windows, and
-    longer documents, take the recomputing dQ pass."""
+    Where the block config has a dq_stored pass (head dim 128, off Hopper), causal attention (over the
+    whole past or a window) takes the short documents' dQ from the dS that their dK/dV pass stores (bf16,
+    about longest * T * H / 2 values for documents of up to `longest` tokens, the first dK/dV length
+    class), instead of recomputing S and dP in a pass of its own. Two-sided windows, and longer documents,
+    take the recomputing dQ pass, except those of the Gluon dK/dV pass on Hopper."""
     T, H, D = q.shape
     H_kv = k.shape[1]
     check_launch(dout, q, k, v, out)
     tables, doc_slots = planned(plan, cu_seqlens, T, D, window_left, window_right, max_seqlen or T, "bwd")
-    config = block_sizes.block_config(D)
+    config = block_sizes.block_config(D, is_hopper(cu_seqlens.device))
     store_longest, store_blocks = config["dkdv"][0]
     left, right = window_bounds(T, window_left, window_right)
     BLOCK_D = padded_dim(D)

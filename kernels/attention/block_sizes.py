@@ -18,11 +18,9 @@ class Blocks(NamedTuple):
     # The inner loop's tiles come by TMA (Hopper's tensor memory accelerator, through a descriptor that
     # bounds each document in hardware) instead of per-thread loads, where that measured faster.
     tma: bool = False
-    # Head dim 128: on Hopper, causal calls run the warp-specialised Gluon kernels of hopper_forward.py and
-    # hopper_backward.py instead (a load warp; two warpgroups of m / 2 query rows in the forward, of n / 2
-    # keys in the dK/dV pass, which also adds up dQ, so that the dQ pass of its documents does not run).
-    # The class that stores dS has no Gluon version: there one 168 KB program fills an SM, and over ~8
-    # query blocks its fixed costs go unhidden; it measured 10-11% slower than the Triton pass.
+    # On Hopper, head dim 128, causal: the class runs the warp-specialised Gluon kernels of hopper_forward.py
+    # and hopper_backward.py instead (a load warp; two warpgroups of m / 2 query rows in the forward, of
+    # n / 2 keys in the dK/dV pass, which also adds up dQ, so that the dQ pass of its documents does not run).
     gluon: bool = False
 
 
@@ -37,8 +35,9 @@ Config = dict[str, list[tuple[int | None, Blocks]] | Blocks]
 DELTA_ROWS = 64  # rows per program of the delta pass, which only streams O and dO
 
 
-def block_config(head_dim: int) -> Config:
-    """Block sizes of the kernels: the one place where they are chosen (measured on an H200)."""
+def block_config(head_dim: int, on_hopper: bool = False) -> Config:
+    """Block sizes of the kernels: the one place where they are chosen (measured on an H200). `on_hopper`:
+    for a Hopper GPU, which runs the Gluon kernels of the classes that say so."""
     # Interpreter: small, unequal blocks, two classes, TMA in some and pointer loads in others, so that
     # small test buffers exercise every path.
     if INTERPRET:
@@ -56,11 +55,21 @@ def block_config(head_dim: int) -> Config:
             "dq": [(None, Blocks(64, 64, 4, 3))],
             "dkdv": [(None, Blocks(32, 128, 4, 3))],
         }
-    if head_dim <= 128:
+    # On Hopper the Gluon dK/dV pass takes every document: against the Triton pass that stores the dS of
+    # documents of up to 2,048 tokens for a dQ pass of one product, it measured 8% faster on mix (a) of
+    # scripts/bench_attention.py, 1% on (b), and 1% and 13% under a 512-token window; splitting the
+    # documents between the two at 512 or 1,024 tokens was slower than either.
+    if head_dim <= 128 and on_hopper:
         return {
             "fwd": [(None, Blocks(128, 128, 8, 3, True, True))],
             "dq": [(None, Blocks(128, 64, 8, 3))],
-            "dkdv": [(2048, Blocks(32, 64, 4, 3, True)), (None, Blocks(64, 128, 8, 2, False, True))],
+            "dkdv": [(None, Blocks(64, 128, 8, 2, False, True))],
+        }
+    if head_dim <= 128:
+        return {
+            "fwd": [(None, Blocks(128, 128, 8, 3, True))],
+            "dq": [(None, Blocks(128, 64, 8, 3))],
+            "dkdv": [(2048, Blocks(32, 64, 4, 3, True)), (None, Blocks(64, 128, 8, 2))],
             "dq_stored": Blocks(64, 64, 4, 3),
         }
     return {

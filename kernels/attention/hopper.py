@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.tools.ragged_tma import create_ragged_descriptor
 
-from kernels.common import capability, nvmma_layout
+from kernels.common import is_hopper, nvmma_layout
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -173,7 +173,7 @@ def supported(*tensors: torch.Tensor) -> bool:
     """Whether these kernels can read these [T, H, D] tensors by TMA: a Hopper GPU, 16-bit, head dim 128,
     16-byte aligned bases and token/head strides."""
     q = tensors[0]
-    if not q.is_cuda or capability(q.device)[0] != 9:
+    if not is_hopper(q.device):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != HEAD_DIM:
         return False

@@ -1,4 +1,4 @@
-"""The backward of long documents on Hopper in Gluon: one warp-specialised pass (see hopper.py for the
+"""The backward on Hopper in Gluon (head dim 128, causal): one warp-specialised pass (see hopper.py for the
 partitions) per key tile and kv head computes dK and dV and adds each query block's share of dQ into float32
 sums, which a small Triton pass scales into dQ. It takes causal windows as the forward does.
 """
@@ -38,7 +38,7 @@ from kernels.common import nvmma_layout
 barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # ----------------------------------------------------------------------------------------------------------
-# dK, dV and dQ of long documents: one program per (128-key tile, kv head); each warpgroup owns 64 of its keys
+# dK, dV and dQ: one program per (128-key tile, kv head); each warpgroup owns 64 of its keys
 # and accumulates their dK and dV over the query blocks that the load warp streams; a writer warp adds each
 # query block's share of dQ = dS K into float32 sums, in a fixed order of key tiles (so deterministically)
 
@@ -273,11 +273,11 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_from_sums(
-    DQacc, dQ, tiles, n_tiles, cu_seqlens, n_docs, T, n_counted, stride_t, sm_scale, BM: tl.constexpr,
+    Sums, dQ, tiles, n_tiles, cu_seqlens, n_docs, T, n_counted, stride_t, sm_scale, BM: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """dQ of the rows of a tile of the long documents' dQ table: the float32 sums that the dK/dV pass left,
-    one [BM, D / 2] tile per (block, half of the columns), scaled and cast."""
+    """dQ of the rows of a tile of the dQ table of the pass's documents: the float32 sums that the dK/dV pass
+    left, one [BM, D / 2] tile per (block, half of the columns), scaled and cast."""
     segment, block, first, length, _ = program_tile(tiles, n_tiles, cu_seqlens, n_docs, T)
     if segment < 0:
         return
@@ -286,7 +286,7 @@ def _dq_from_sums(
     cols = tl.arange(0, D)
     qb = rows // BM
     at = 2 * (head * n_counted + first // BM + segment + qb)[:, None] + cols[None, :] // (D // 2)
-    acc = tl.load(DQacc + (at * BM + (rows % BM)[:, None]).to(tl.int64) * (D // 2) + cols[None, :] % (D // 2),
+    acc = tl.load(Sums + (at * BM + (rows % BM)[:, None]).to(tl.int64) * (D // 2) + cols[None, :] % (D // 2),
                   mask=(rows < length)[:, None], other=0.0)
     offs = (first + rows).to(tl.int64)[:, None] * stride_t + head * D + cols[None, :]
     tl.store(dQ + offs, (acc * sm_scale).to(dQ.dtype.element_ty), mask=(rows < length)[:, None])

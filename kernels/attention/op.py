@@ -37,7 +37,7 @@ def flash_attn_plan_tables(
 @flash_attn_plan_tables.register_fake
 def _(cu_seqlens, num_tokens, head_dim, window_left, window_right, max_seqlen):
     n_docs = cu_seqlens.shape[0] - 1
-    size = plan_size(num_tokens, n_docs, head_dim, window_left, window_right, max_seqlen)
+    size = plan_size(num_tokens, n_docs, head_dim, window_left, window_right, max_seqlen, cu_seqlens.device)
     return cu_seqlens.new_empty(size)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from kernels.attention import block_sizes
 from kernels.attention.block_sizes import DELTA_ROWS, Blocks, Config
-from kernels.common import check_interpreter
+from kernels.common import check_interpreter, is_hopper
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -155,11 +155,12 @@ _PASSES = {"fwd": ("fwd",), "bwd": ("delta", "dq", "dkdv", "dq_stored")}
 
 
 def _plan_layout(
-    T: int, n_docs: int, head_dim: int, window_left: int, window_right: int, max_seqlen: int, part: str | None
+    T: int, n_docs: int, head_dim: int, window_left: int, window_right: int, max_seqlen: int,
+    part: str | None, on_hopper: bool,
 ):
     """([(launch, offset, tiles)], offset of the dS slots or None, size) of a plan for pass `part` ("fwd",
-    "bwd", or None for both): shapes only."""
-    config = block_sizes.block_config(head_dim)
+    "bwd", or None for both) on a Hopper GPU or not: shapes only."""
+    config = block_sizes.block_config(head_dim, on_hopper)
     left, right = window_bounds(T, window_left, window_right)
     kernels = _PASSES[part] if part else _PASSES["fwd"] + _PASSES["bwd"]
     layout, size = [], 0
@@ -173,9 +174,11 @@ def _plan_layout(
 
 
 def plan_size(
-    T: int, n_docs: int, head_dim: int, window_left: int, window_right: int, max_seqlen: int
+    T: int, n_docs: int, head_dim: int, window_left: int, window_right: int, max_seqlen: int,
+    device: torch.device,
 ) -> int:
-    return _plan_layout(T, n_docs, head_dim, window_left, window_right, max_seqlen, None)[2]
+    on_hopper = is_hopper(device)
+    return _plan_layout(T, n_docs, head_dim, window_left, window_right, max_seqlen, None, on_hopper)[2]
 
 
 def make_plan(
@@ -186,9 +189,13 @@ def make_plan(
     then, where short documents' dS is stored, the first dS slot of each document. It depends only on
     the documents, the head dim, the window and the bound max_seqlen on the documents' length (T or more
     for none), so every layer's forward and backward over the same documents can share one. `part` limits
-    it to one pass ("fwd" or "bwd"), for a call of its own."""
+    it to one pass ("fwd" or "bwd"), for a call of its own. The launches, and so the plan, differ between
+    Hopper GPUs and others (see block_sizes)."""
     check_interpreter()
-    layout = _plan_layout(T, cu_seqlens.numel() - 1, head_dim, window_left, window_right, max_seqlen, part)
+    layout = _plan_layout(
+        T, cu_seqlens.numel() - 1, head_dim, window_left, window_right, max_seqlen, part,
+        is_hopper(cu_seqlens.device),
+    )
     return _fill_plan(cu_seqlens, T, head_dim, max_seqlen, *layout)
 
 
@@ -207,7 +214,7 @@ def _fill_plan(
             out=plan[at : at + 2 * n].view(2, n),
         )
     if slots_at is not None:
-        store = block_sizes.block_config(head_dim)["dkdv"][0]
+        store = block_sizes.block_config(head_dim, is_hopper(cu_seqlens.device))["dkdv"][0]
         _ds_slots(cu_seqlens, store[0], store[1].m, store[1].n, plan[slots_at:])
     return plan
 
@@ -238,7 +245,8 @@ def planned(
     made here for this pass alone when plan is None."""
     n_docs = cu_seqlens.numel() - 1
     layout, slots_at, size = _plan_layout(
-        T, n_docs, head_dim, window_left, window_right, max_seqlen, part if plan is None else None
+        T, n_docs, head_dim, window_left, window_right, max_seqlen, part if plan is None else None,
+        is_hopper(cu_seqlens.device),
     )
     if plan is None:
         plan = _fill_plan(cu_seqlens, T, head_dim, max_seqlen, layout, slots_at, size)

@@ -303,27 +303,31 @@ def test_plan_bounded_by_max_seqlen_skips_the_longer_classes():
 
 @pytest.mark.parametrize("left", [65536, 512], ids=["past", "w512"])
 def test_gpu_plan_feeds_the_gluon_backward_what_it_needs(left, monkeypatch):
-    """The GPU's launches at head dim 128 (the interpreter runs other blocks, and no Gluon): the dK/dV class
-    that also writes dQ on Hopper must list each document's key tiles from the last to the first (its dQ
-    adds wait for the tiles after them, which must have started), and delta, which that pass reads, and
-    the dQ table of the same documents, from which its float32 sums are scaled into dQ, must come before it.
-    On other GPUs the same tables run the Triton passes."""
+    """The launches of a Hopper GPU at head dim 128 (the interpreter runs other blocks, and no Gluon): the
+    dK/dV pass, which there also writes dQ, takes every document; it must list each document's key tiles
+    from the last to the first (its dQ adds wait for the tiles after them, which must have started), and
+    delta, which it reads, and the dQ table of the same documents, from which its float32 sums are scaled
+    into dQ, must come before it. Other GPUs store the short documents' dS for a dQ pass of its own."""
     monkeypatch.setattr(block_sizes, "INTERPRET", False)
-    config = block_sizes.block_config(128)
-    fused = plan.fused_shortest(config, right=0)
-    assert fused == 2048
+    config = block_sizes.block_config(128, on_hopper=True)
+    assert plan.fused_shortest(config, right=0) == 0
     launches = plan._launches(config, 65536, 65536, left, 0)
     kernels = [launch.kernel for launch in launches]
+    assert "dq_stored" not in kernels
     gluon = [i for i, launch in enumerate(launches) if launch.kernel == "dkdv" and launch.blocks.gluon]
-    assert gluon and all(launches[i].last_block_first and launches[i].shortest >= fused for i in gluon)
+    assert gluon == [kernels.index("dkdv")] and kernels.count("dkdv") == 1
+    assert launches[gluon[0]].last_block_first
+    assert (launches[gluon[0]].shortest, launches[gluon[0]].longest) == (0, 65536)
     delta = kernels.index("delta")
-    assert launches[delta].shortest == 0 and launches[delta].longest == 65536 and delta < min(gluon)
-    dq = [i for i, launch in enumerate(launches) if launch.kernel == "dq" and launch.shortest >= fused]
-    assert len(dq) == 1 and dq[0] < min(gluon)
-    assert (launches[dq[0]].shortest, launches[dq[0]].longest) == (fused, 65536)
-    assert {(launches[i].shortest, launches[i].longest) for i in gluon} == {(fused, 65536)}
+    assert (launches[delta].shortest, launches[delta].longest) == (0, 65536) and delta < gluon[0]
+    dq = kernels.index("dq")
+    assert kernels.count("dq") == 1 and dq < gluon[0]
+    assert (launches[dq].shortest, launches[dq].longest) == (0, 65536)
     # Two-sided windows have no Gluon pass, and their dQ pass writes delta.
     assert plan.fused_shortest(config, right=64) is None
+    other = block_sizes.block_config(128, on_hopper=False)
+    assert plan.fused_shortest(other, right=0) is None
+    assert "dq_stored" in [launch.kernel for launch in plan._launches(other, 65536, 65536, left, 0)]
 
 
 def test_plan_that_does_not_fit_the_call_is_refused():

@@ -6,7 +6,8 @@ Run on a CUDA machine: python -m pytest -m gpu tests/kernels/attention/test_atte
 import pytest
 import torch
 
-from kernels.attention import attention_reference, flash_attn_plan, flash_attn_varlen, hopper
+from kernels.attention import attention_reference, flash_attn_plan, flash_attn_varlen, hopper, plan
+from kernels.attention import backward as backward_module
 from kernels.attention.backward import backward
 from kernels.attention.forward import forward
 from kernels.attention.op import flash_attn_varlen_fwd
@@ -113,15 +114,20 @@ def test_bf16_matches_fp32_reference_and_varlen_attn(mix, d, heads, kv_heads, wi
 
 
 @pytest.mark.parametrize("left", [-1, 512, 100], ids=["past", "w512", "w100"])
-def test_passes_read_only_what_they_wrote(left, monkeypatch):
+@pytest.mark.parametrize("as_other_gpu", [False, True], ids=["this_gpu", "other_gpu"])
+def test_passes_read_only_what_they_wrote(left, as_other_gpu, monkeypatch):
     """As the CPU test of the same name, at the GPU's block sizes: every float buffer that torch.empty(_like)
     makes while the passes run starts as NaN, so a pass that read memory no pass wrote (a dS slot that a
-    window leaves unwritten, a tail row) would carry NaN into the gradients. Documents of the stored-dS class
-    and longer ones, GQA."""
+    window leaves unwritten, a float32 dQ sum that nothing stored, a tail row) would carry NaN into the
+    gradients. GQA. On Hopper every document takes the Gluon passes; as another GPU (its launches, which
+    store the dS of documents of up to 2,048 tokens), the Triton ones."""
     q, k, v, cu = make_inputs(LONG, 16, 4, 128)
     dout = torch.randn(T, 16, 128, device="cuda", dtype=torch.bfloat16)
     want = grads(reference((left, 0)), q.float(), k.float(), v.float(), cu, dout.float())
 
+    if as_other_gpu:
+        monkeypatch.setattr(plan, "is_hopper", lambda device: False)
+        monkeypatch.setattr(backward_module, "is_hopper", lambda device: False)
     poison_new_buffers(monkeypatch)
     got = grads(ours((left, 0)), q, k, v, cu, dout)
     monkeypatch.undo()
@@ -196,8 +202,8 @@ def test_compiled_model_has_no_graph_break_and_no_recompile():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("left", [-1, 512, 100], ids=["past", "w512", "w100"])
 def test_gluon_kernels_agree_with_triton_kernels(dtype, left, monkeypatch):
-    """The warp-specialised long-document forward, dQ and dK/dV passes against the Triton kernels they
-    replace, with GQA, over the whole past and causal windows (one shorter than a key block, so that some
+    """The warp-specialised forward and dK/dV (with dQ) passes against the Triton kernels they replace,
+    with GQA, over the whole past and causal windows (one shorter than a key block, so that some
     blocks hold no key of some rows): the forward and dV are the same sums in the same order (bitwise
     equal); the dQ pass sums delta in another order, so dQ and dK agree to rounding. A tail of 3,000 tokens
     past the last document."""
