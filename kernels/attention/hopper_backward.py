@@ -277,7 +277,8 @@ def _dq_from_sums(
     D: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """dQ of the rows of a tile of the dQ table of the pass's documents: the float32 sums that the dK/dV pass
-    left, one [BM, D / 2] tile per (block, half of the columns), scaled and cast."""
+    left, one [BM, D / 2] tile per (block, half of the columns), scaled and cast. The tail past the last
+    document (segment n_docs), which no key tile writes, gets zeros."""
     segment, block, first, length, _ = program_tile(tiles, n_tiles, cu_seqlens, n_docs, T)
     if segment < 0:
         return
@@ -287,7 +288,7 @@ def _dq_from_sums(
     qb = rows // BM
     at = 2 * (head * n_counted + first // BM + segment + qb)[:, None] + cols[None, :] // (D // 2)
     acc = tl.load(Sums + (at * BM + (rows % BM)[:, None]).to(tl.int64) * (D // 2) + cols[None, :] % (D // 2),
-                  mask=(rows < length)[:, None], other=0.0)
+                  mask=(rows < length)[:, None] & (segment < n_docs), other=0.0)
     offs = (first + rows).to(tl.int64)[:, None] * stride_t + head * D + cols[None, :]
     tl.store(dQ + offs, (acc * sm_scale).to(dQ.dtype.element_ty), mask=(rows < length)[:, None])
 
