@@ -343,6 +343,15 @@ def tune(head_dims, mixes, heads, tokens, kernels=KERNELS, window: int = -1) -> 
     }
     rows = []
 
+    def gluon_candidates(kernel, head_dim):
+        """On Hopper, the Gluon passes: the forward's ring depths, and the dK/dV pass (its query blocks hold
+        8,192 elements)."""
+        if not on_hopper or head_dim not in (64, 128):
+            return []
+        if kernel == "fwd":
+            return [Blocks(128, 128, 8, stages, tma, True) for stages in (2, 3, 4, 5, 6)]
+        return [Blocks(8192 // head_dim, 128, 8, 2, False, True)] if kernel == "dkdv" else []
+
     def run(row, part, q, k, v, cu, lengths, flops):
         try:
             t = time_method(ours, q, k, v, cu, lengths, parts=(part,), rep_ms=100, window=window)[part]
@@ -361,7 +370,7 @@ def tune(head_dims, mixes, heads, tokens, kernels=KERNELS, window: int = -1) -> 
             flops = causal_flops(lengths, heads, head_dim, window)
             which = -1 if mix == "c_long" else 0
             for kernel in kernels:
-                for blocks in candidates[kernel]:
+                for blocks in candidates[kernel] + gluon_candidates(kernel, head_dim):
                     config = default_config(head_dim, on_hopper)
                     entries = list(config[kernel])
                     entries[which] = (entries[which][0], blocks)

@@ -110,7 +110,7 @@ def signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks, arch: 
     )
 
 
-def gluon_signature(kernel: str, fn, blocks: block_sizes.Blocks):
+def gluon_signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks):
     """(signature, constexprs, attrs) of a launch of a Gluon kernel of kernels/attention/hopper_*.py."""
     from triton.experimental.gluon import language as gl
 
@@ -124,7 +124,7 @@ def gluon_signature(kernel: str, fn, blocks: block_sizes.Blocks):
             rows = blocks.m if query_side else blocks.n // 2
         else:
             rows = blocks.m // 2 if query_side else blocks.n
-        shape = [1, 1, rows, 1, hopper.HEAD_DIM]
+        shape = [1, 1, rows, 1, head_dim]
         return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
 
     return _signature(fn, dict(STAGES=blocks.stages, HAS_DLSE=False), descriptor)
@@ -231,11 +231,11 @@ def inner_loops(sass: str) -> list[dict]:
 def inspect_kernel(
     kernel: str, head_dim: int, blocks: block_sizes.Blocks, arch: int, dump: Path | None = None
 ) -> dict:
-    if blocks.gluon and head_dim == hopper.HEAD_DIM and arch == 90:
+    if blocks.gluon and head_dim in hopper.HEAD_DIMS and arch == 90:
         from triton.experimental.gluon._runtime import GluonASTSource
 
         fn = GLUON_KERNELS[kernel]
-        sig, constexprs, attrs = gluon_signature(kernel, fn, blocks)
+        sig, constexprs, attrs = gluon_signature(kernel, fn, head_dim, blocks)
         source = GluonASTSource(fn, sig, constexprs, attrs)
         options = dict(num_warps=hopper.WARPS, maxnreg=hopper.MAX_REGISTERS)
     else:

@@ -7,8 +7,8 @@ deterministic ways to fold dQ into the dK/dV pass measured slower on an H200: ad
 by spinning on per-block counters took about twice the backward, and order-free fixed-point int64 sums were
 1.46x slower on 16k-token documents.) Causal attention takes the short documents' dQ from the dS their
 dK/dV pass stores, where the block config says so (see `backward`). On Hopper, the dK/dV classes whose
-blocks say `gluon` (at head dim 128, every document) run hopper_backward's warp-specialised pass instead,
-which also writes their documents' dQ: their dQ pass does not run.
+blocks say `gluon` (at head dims 64 and 128, every document) run hopper_backward's warp-specialised pass
+instead, which also writes their documents' dQ: their dQ pass does not run.
 """
 
 import torch  # noqa: I001 (kernels.common must come before triton)

@@ -18,9 +18,10 @@ class Blocks(NamedTuple):
     # The inner loop's tiles come by TMA (Hopper's tensor memory accelerator, through a descriptor that
     # bounds each document in hardware) instead of per-thread loads, where that measured faster.
     tma: bool = False
-    # On Hopper, head dim 128, causal: the class runs the warp-specialised Gluon kernels of hopper_forward.py
-    # and hopper_backward.py instead (a load warp; two warpgroups of m / 2 query rows in the forward, of
-    # n / 2 keys in the dK/dV pass, which also adds up dQ, so that the dQ pass of its documents does not run).
+    # On Hopper, head dim 64 or 128, causal: the class runs the warp-specialised Gluon kernels of
+    # hopper_forward.py and hopper_backward.py instead (a load warp; two warpgroups of m / 2 query rows in the
+    # forward, of n / 2 keys in the dK/dV pass, which also adds up dQ, so that the dQ pass of its documents
+    # does not run).
     gluon: bool = False
 
 
@@ -46,6 +47,16 @@ def block_config(head_dim: int, on_hopper: bool = False) -> Config:
             "dq": [(24, Blocks(16, 32, 4, 1)), (None, Blocks(32, 16, 4, 1, True))],
             "dkdv": [(56, Blocks(16, 32, 4, 1, True)), (None, Blocks(32, 16, 4, 1))],
             "dq_stored": Blocks(32, 32, 4, 1),
+        }
+    # On Hopper the Gluon passes take every document, as at head dim 128 below; the dK/dV pass streams query
+    # blocks of 128 rows, as many elements as at 128. Against the Triton passes below, the backward measured
+    # 7% faster on mix (a) of scripts/bench_attention.py, 20% on (c) and level on (b); six forward stages
+    # measured 1-2% faster than four on (c).
+    if head_dim == 64 and on_hopper:
+        return {
+            "fwd": [(None, Blocks(128, 128, 8, 6, True, True))],
+            "dq": [(None, Blocks(64, 64, 4, 3))],
+            "dkdv": [(None, Blocks(128, 128, 8, 2, False, True))],
         }
     # Head dim 64 has no stored-dS dQ pass: the storing dK/dV config spilled, and its backward measured 29%
     # slower. At 128, splitting the dK/dV classes at 1,024 or 512 instead of 2,048 was 1-7% slower.

@@ -4,14 +4,14 @@ the ring of TMA slots, the loads by ragged descriptor, and which tensors they ta
 The partitions of a program:
 - a load warp streams tiles by TMA into a ring of STAGES slots, each with its own mbarriers: K and V for
   the forward (query tiles of 128 rows, one head), Q and dO for the dK/dV pass (key tiles of 128 rows, one
-  kv head);
+  kv head), with the query block's lse and delta beside them;
 - two warpgroups own 64 of the tile's rows each. They wait only on their slot's mbarriers, never on a
   CTA-wide barrier (triton's own pipeliner puts one around every TMA issue). In the forward each issues
   the next key block's products before the current block's exponentials, so those run under a product
   (FlashAttention-3's overlap within a warpgroup);
 - in the dK/dV pass, a writer warp that adds each query block's share of dQ into float32 sums by TMA.
-Head dim 128, causal, over the whole past or a window of the last `left` keys: a query tile visits the key
-blocks from its window's first one (`first_block`) to the diagonal, a key tile the query blocks from the
+Head dim 64 or 128, causal, over the whole past or a window of the last `left` keys: a query tile visits the
+key blocks from its window's first one (`first_block`) to the diagonal, a key tile the query blocks from the
 diagonal to its window's end; the blocks on the diagonal and at the window's edge are masked. The passes
 run on the tile tables of plan.py (hopper_forward.py, hopper_backward.py).
 """
@@ -45,7 +45,7 @@ tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
-HEAD_DIM = 128
+HEAD_DIMS = (64, 128)
 
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -84,21 +84,28 @@ def ragged_row(start, length, row):
 
 
 @gluon.jit
-def stream_pairs(a_desc, b_desc, a_smem, b_smem, a_ready, b_ready, free, start, length, head, lo, hi, j0):
-    """Blocks lo .. hi - 1 of two tensors of a segment (K and V, or Q and dO), each pair into the next
-    ring slot once it is free. j0 pairs went through the ring before; returns the count after these."""
+def load_pair(a_desc, b_desc, a_smem, b_smem, a_ready, b_ready, free, start, length, head, i, j):
+    """Block i of two tensors of a segment (K and V, or Q and dO) into the ring slot of the j-th pair through
+    the ring, once that slot is free; returns the slot."""
     BLOCK: gl.constexpr = a_desc.block_type.shape[2]
     NS: gl.constexpr = a_smem.type.shape[0]
+    slot = j % NS
+    # A slot's first use waits on phase 1, which a fresh mbarrier counts as complete.
+    mbarrier.wait(free.index(slot), ((j // NS) & 1) ^ 1)
+    a, b, c = ragged_row(start, length, i * BLOCK)
+    mbarrier.expect(a_ready.index(slot), a_desc.block_type.nbytes)
+    tma_load(a_desc, [a, b, c, head, 0], a_ready.index(slot), a_smem.index(slot))
+    mbarrier.expect(b_ready.index(slot), b_desc.block_type.nbytes)
+    tma_load(b_desc, [a, b, c, head, 0], b_ready.index(slot), b_smem.index(slot))
+    return slot
+
+
+@gluon.jit
+def stream_pairs(a_desc, b_desc, a_smem, b_smem, a_ready, b_ready, free, start, length, head, lo, hi, j0):
+    """Blocks lo .. hi - 1 of two tensors of a segment, each pair into the next ring slot once it is free.
+    j0 pairs went through the ring before; returns the count after these."""
     for i in range(lo, hi):
-        j = j0 + i - lo
-        slot = j % NS
-        # A slot's first use waits on phase 1, which a fresh mbarrier counts as complete.
-        mbarrier.wait(free.index(slot), ((j // NS) & 1) ^ 1)
-        a, b, c = ragged_row(start, length, i * BLOCK)
-        mbarrier.expect(a_ready.index(slot), a_desc.block_type.nbytes)
-        tma_load(a_desc, [a, b, c, head, 0], a_ready.index(slot), a_smem.index(slot))
-        mbarrier.expect(b_ready.index(slot), b_desc.block_type.nbytes)
-        tma_load(b_desc, [a, b, c, head, 0], b_ready.index(slot), b_smem.index(slot))
+        load_pair(a_desc, b_desc, a_smem, b_smem, a_ready, b_ready, free, start, length, head, i, j0 + i - lo)
     return j0 + hi - lo
 
 
@@ -170,12 +177,12 @@ def store_zeros(X, start, r0, length, head, stride_t, BM: gl.constexpr, D: gl.co
 
 
 def supported(*tensors: torch.Tensor) -> bool:
-    """Whether these kernels can read these [T, H, D] tensors by TMA: a Hopper GPU, 16-bit, head dim 128,
-    16-byte aligned bases and token/head strides."""
+    """Whether these kernels can read these [T, H, D] tensors by TMA: a Hopper GPU, 16-bit, head dim 64 or
+    128, 16-byte aligned bases and token/head strides."""
     q = tensors[0]
     if not is_hopper(q.device):
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != HEAD_DIM:
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] not in HEAD_DIMS:
         return False
     return all(
         x.data_ptr() % 16 == 0 and x.stride(2) == 1 and all(stride * 2 % 16 == 0 for stride in x.stride()[:2])

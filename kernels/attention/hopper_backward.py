@@ -1,6 +1,10 @@
-"""The backward on Hopper in Gluon (head dim 128, causal): one warp-specialised pass (see hopper.py for the
-partitions) per key tile and kv head computes dK and dV and adds each query block's share of dQ into float32
-sums, which a small Triton pass scales into dQ. It takes causal windows as the forward does.
+"""The backward on Hopper in Gluon (head dim 64 or 128, causal): one warp-specialised pass (see hopper.py for
+the partitions) per key tile and kv head computes dK and dV and adds each query block's share of dQ into
+float32 sums, which a small Triton pass scales into dQ. It takes causal windows as the forward does.
+
+The query blocks hold 8,192 elements of Q: 64 rows at head dim 128, 128 at 64. The two warpgroups split a
+block's dQ into two [64, 64] tiles, by columns at head dim 128 and by rows at 64, so that each product's
+operands are whole 128-byte rows of their swizzled tiles.
 """
 
 import torch
@@ -22,9 +26,9 @@ from kernels.attention.hopper import (
     MAX_REGISTERS,
     WARPS,
     load_halves,
+    load_pair,
     mma_layout,
     store_zeros,
-    stream_pairs,
     table_entry,
     tile_ring,
     tma_add,
@@ -42,20 +46,39 @@ barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # and accumulates their dK and dV over the query blocks that the load warp streams; a writer warp adds each
 # query block's share of dQ = dS K into float32 sums, in a fixed order of key tiles (so deterministically)
 
+DQ_TILE = gl.constexpr(64)  # rows and columns of each warpgroup's share of a query block's dQ
+
 
 @gluon.jit
 def _dkdv_load_partition(args):
-    """One warp: K and V of the tile once, then Q and dO of each query block of each head of the group."""
+    """One warp: K and V of the tile once, then Q and dO of each query block of each head of the group, and
+    the block's lse (times log2 e) and delta beside them."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
-     ds_bar, dq_desc, stage, dq_full, dq_empty, Lse, Delta, dK, dV, Counts, n_counted, segment, start,
-     length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
+     ds_bar, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
+     segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     load_halves(k_desc, kv_smem, kv_bar, start, length, kv_head, c0, 0)
     load_halves(v_desc, kv_smem, kv_bar, start, length, kv_head, c0, 2)
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    lanes: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
     j = 0
     for h in range(group):
-        j = stream_pairs(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, qdo_free, start, length,
-                          kv_head * group + h, q_lo, n_q, j)
+        head = kv_head * group + h
+        for qb in range(q_lo, n_q):
+            slot = load_pair(
+                q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, qdo_free, start, length, head, qb, j
+            )
+            # The warpgroups read these in the layout of their products: loaded there themselves, they
+            # would convert them through shared memory, with three barriers a step more (measured 1-3%
+            # slower at head dim 128 on an H200, 7-9% at 64).
+            queries = qb * BM + gl.arange(0, BM, layout=lanes)
+            ok = queries < length
+            lse = gl.load(Lse + head * T + start + queries, mask=ok, other=float("inf"))
+            stats.index(2 * slot).store(lse * LOG2E)
+            stats.index(2 * slot + 1).store(gl.load(Delta + head * T + start + queries, mask=ok, other=0.0))
+            barrier()
+            mbarrier.arrive(stats_ready.index(slot), count=1)
+            j += 1
 
 
 @gluon.jit
@@ -88,15 +111,15 @@ def _bulk_wait(x):
 def _dq_writer_partition(args):
     """One warp: each step's dQ tiles of both warpgroups into the float32 sums, by TMA. The contributions to a
     query block come from the last key tile that it sees down to the first: the order in which the key
-    tiles reach it, since tile c visits query blocks from its diagonal on and tile c + 1's diagonal is two
-    blocks later. A tile's tiles are stored when it is the first, else added once the block's count says
+    tiles reach it, since tile c visits query blocks from its diagonal on and tile c + 1's diagonal is
+    later. A tile's tiles are stored when it is the first, else added once the block's count says
     that the `rank` tiles before it are done; the count is raised once the writes have landed. The tile
     table runs a document's last key tile first, so the tile a program waits for has already started."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
-     ds_bar, dq_desc, stage, dq_full, dq_empty, Lse, Delta, dK, dV, Counts, n_counted, segment, start,
-     length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
-    BM: gl.constexpr = dq_desc.block_type.shape[0]
-    COLS: gl.constexpr = dq_desc.block_type.shape[1]
+     ds_bar, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
+     segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    BOX: gl.constexpr = dq_desc.block_type.shape[1]
     TILE: gl.constexpr = 2 * k_desc.block_type.shape[2]
     lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     zero_each = gl.zeros([32], gl.int32, lanes)
@@ -115,12 +138,12 @@ def _dq_writer_partition(args):
             if rank > 0:
                 _wait_count(Counts + at + zero_each, 32 * rank)
             for wg in gl.static_range(2):
-                for half in gl.static_range(2):
-                    src = stage.index(2 * buf + wg).slice(half * COLS, COLS, dim=1)
+                for part in gl.static_range(DQ_TILE // BOX):
+                    src = stage.index(2 * buf + wg).slice(part * BOX, BOX, dim=1)
                     if rank == 0:
-                        tma_store(dq_desc, [(2 * at + wg) * BM, half * COLS], src)
+                        tma_store(dq_desc, [(2 * at + wg) * DQ_TILE, part * BOX], src)
                     else:
-                        tma_add(dq_desc, [(2 * at + wg) * BM, half * COLS], src)
+                        tma_add(dq_desc, [(2 * at + wg) * DQ_TILE, part * BOX], src)
             # Each lane raises the count once its own writes (the TMA's, from one of them) have landed.
             gl.atomic_add(Counts + at + _bulk_wait(zero_each), one_each, sem="release", scope="gpu")
             mbarrier.arrive(dq_empty.index(buf), count=1)
@@ -128,37 +151,67 @@ def _dq_writer_partition(args):
 
 
 @gluon.jit
+def _dq_columns(k, WG: gl.constexpr):
+    """Of K [keys, D], the columns of warpgroup WG's dQ tile: its half at head dim 128, all at 64."""
+    D: gl.constexpr = k.type.shape[1]
+    if D > DQ_TILE:
+        k = k.slice(WG * DQ_TILE, DQ_TILE, dim=1)
+    return k
+
+
+@gluon.jit
+def _dq_rows(ds, WG: gl.constexpr):
+    """Of dS^T [keys, queries], the queries of warpgroup WG's dQ tile: all in 64-query blocks, its half in
+    128-query blocks."""
+    BM: gl.constexpr = ds.type.shape[1]
+    if BM > DQ_TILE:
+        ds = ds.slice(WG * DQ_TILE, DQ_TILE, dim=1)
+    return ds
+
+
+@gluon.jit
+def _seen(keys, qb, left, BM: gl.constexpr, query_layout: gl.constexpr):
+    """[keys, queries] of query block qb: whether the query sees the key (at most `left` keys back)."""
+    queries = qb * BM + gl.arange(0, BM, layout=query_layout)
+    return (queries[None, :] >= keys[:, None]) & (queries[None, :] <= keys[:, None] + left)
+
+
+@gluon.jit
 def _dkdv_partition(args, WG: gl.constexpr):
     """Warpgroup WG: dV = sum over query blocks of P^T dO and dK = sum of dS^T Q for keys
     c0 + 64 WG .. c0 + 64 WG + 63, computed transposed ([keys, queries]) so that the keys stay rows, and
-    columns 64 WG .. 64 WG + 63 of each query block's dQ = dS K over the tile's 128 keys, with the other
-    warpgroup's half of dS from shared memory, handed to the writer warp through a staging buffer."""
+    tile WG of each query block's dQ = dS K over the tile's 128 keys (columns 64 WG .. 64 WG + 63 at head
+    dim 128, rows at 64), with the other warpgroup's half of dS from shared memory, handed to the writer
+    warp through a staging buffer."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
-     ds_bar, dq_desc, stage, dq_full, dq_empty, Lse, Delta, dK, dV, Counts, n_counted, segment, start,
-     length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
+     ds_bar, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
+     segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
-    DH: gl.constexpr = D // 2
     NS: gl.constexpr = q_smem.type.shape[0]
     mma_s: gl.constexpr = mma_layout(BM)
     mma_d: gl.constexpr = mma_layout(D)
-    mma_q: gl.constexpr = mma_layout(DH)
+    mma_q: gl.constexpr = mma_layout(DQ_TILE)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
     query_layout: gl.constexpr = gl.SliceLayout(0, mma_s)
-    vector: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    # With 128-query blocks a thread's share of a query vector is as large as its share of dK. There S
+    # starts from -inf where a query does not see a key and dP from -delta, so that the mask and dP - delta
+    # come out of the products and no such vector is held beside their accumulators: without, the loop
+    # spilled (under triton 3.6, 4 values a step with lse and delta staged, 79 with them loaded here), and
+    # folding the mask too measured 3% faster on an H200. With 64-query blocks folding measured 1-3% slower.
+    FOLD: gl.constexpr = BM > DQ_TILE
 
     first_key = c0 + WG * HALF
     last_key = first_key + HALF - 1
     keys = first_key + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_s))
     zeros = gl.zeros([HALF, BM], gl.float32, mma_s)
-    zeros_q = gl.zeros([BM, DH], gl.float32, mma_q)
+    zeros_q = gl.zeros([DQ_TILE, DQ_TILE], gl.float32, mma_q)
     dk = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_d))
     dv = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_d))
     mbarrier.wait(kv_bar, 0)
     j = 0
-    for h in range(group):
-        head = kv_head * group + h
+    for _ in range(group):
         for qb in range(q_lo, n_q):
             slot = j % NS
             phase = (j // NS) & 1
@@ -170,24 +223,33 @@ def _dkdv_partition(args, WG: gl.constexpr):
             kv = qb >> 30
             k = kv_smem.index(WG + kv).reshape([HALF, D])
             v = kv_smem.index(2 + WG + kv).reshape([HALF, D])
-            # The B operands of this warpgroup's dQ columns: those columns of K, for each half of the keys.
-            k_first = kv_smem.index(kv).reshape([HALF, D]).slice(WG * DH, DH, dim=1)
-            k_second = kv_smem.index(1 + kv).reshape([HALF, D]).slice(WG * DH, DH, dim=1)
+            # The B operands of this warpgroup's dQ tile, for each half of the keys.
+            k_first = _dq_columns(kv_smem.index(kv).reshape([HALF, D]), WG)
+            k_second = _dq_columns(kv_smem.index(1 + kv).reshape([HALF, D]), WG)
+            masked = (qb * BM < last_key) | (qb * BM + BM - 1 > first_key + left)
             mbarrier.wait(q_ready.index(slot), phase)
-            s = warpgroup_mma(k, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            if FOLD:
+                s = zeros
+                if masked:
+                    s = gl.where(_seen(keys, qb, left, BM, query_layout), zeros, float("-inf"))
+                s = warpgroup_mma(k, q.permute((1, 0)), s, use_acc=masked, is_async=True)
+            else:
+                s = warpgroup_mma(k, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(slot), phase)
-            dp = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-            queries = qb * BM + gl.arange(0, BM, layout=vector)
-            ok = queries < length
-            lse = gl.load(Lse + head * T + start + queries, mask=ok, other=float("inf")) * LOG2E
-            delta = gl.load(Delta + head * T + start + queries, mask=ok, other=0.0)
+            mbarrier.wait(stats_ready.index(slot), phase)
+            if FOLD:
+                dp = zeros - stats.index(2 * slot + 1).load(query_layout)[None, :]
+                dp = warpgroup_mma(v, do.permute((1, 0)), dp, is_async=True)
+            else:
+                dp = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
             s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-            p = gl.exp2(s * qk_scale - gl.convert_layout(lse, query_layout)[None, :])
-            if (qb * BM < last_key) | (qb * BM + BM - 1 > first_key + left):
-                cols = qb * BM + gl.arange(0, BM, layout=query_layout)
-                seen = (cols[None, :] >= keys[:, None]) & (cols[None, :] <= keys[:, None] + left)
-                p = gl.where(seen, p, 0.0)
-            ds = (p * (dp - gl.convert_layout(delta, query_layout)[None, :])).to(q_desc.dtype)
+            p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
+            if masked and not FOLD:
+                p = gl.where(_seen(keys, qb, left, BM, query_layout), p, 0.0)
+            if FOLD:
+                ds = (p * dp).to(q_desc.dtype)
+            else:
+                ds = (p * (dp - stats.index(2 * slot + 1).load(query_layout)[None, :])).to(q_desc.dtype)
             dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds, operand), q, dk, is_async=True)
             # dS^T of both warpgroups in shared memory, two buffers deep: a warpgroup overwrites a buffer
@@ -198,9 +260,10 @@ def _dkdv_partition(args, WG: gl.constexpr):
             barrier()
             mbarrier.arrive(ds_bar.index(buf), count=1)
             mbarrier.wait(ds_bar.index(buf), (j // 2) & 1)
-            dq = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)), k_first, zeros_q, use_acc=False,
-                               is_async=True)
-            dq = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)), k_second, dq, is_async=True)
+            ds = _dq_rows(ds_smem.index(2 * buf), WG).permute((1, 0))
+            dq = warpgroup_mma(ds, k_first, zeros_q, use_acc=False, is_async=True)
+            ds = _dq_rows(ds_smem.index(2 * buf + 1), WG).permute((1, 0))
+            dq = warpgroup_mma(ds, k_second, dq, is_async=True)
             dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
             mbarrier.arrive(qdo_free.index(slot), count=1)
             # A staging buffer's first use waits on phase 1, which a fresh mbarrier counts as complete.
@@ -251,11 +314,16 @@ def _dkdv_kernel(
     kv_smem = gl.allocate_shared_memory(k_desc.dtype, [4] + k_desc.block_type.shape, k_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ds_smem = gl.allocate_shared_memory(k_desc.dtype, [4, HALF, BM], ds_layout)
-    # Each warpgroup's dQ columns of a step, two steps deep, for the writer warp.
-    stage = gl.allocate_shared_memory(gl.float32, [4, BM, D // 2], dq_desc.layout)
+    # Each warpgroup's dQ tile of a step, two steps deep, for the writer warp.
+    stage = gl.allocate_shared_memory(gl.float32, [4, DQ_TILE, DQ_TILE], dq_desc.layout)
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # lse and delta of the query blocks in the ring, [2 * slot] and [2 * slot + 1].
+    stats = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    stats_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(stats_ready.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)
         mbarrier.init(dq_full.index(i), count=2)
@@ -264,9 +332,9 @@ def _dkdv_kernel(
     # plus the window.
     n_q = gl.cdiv(gl.minimum(c0 + 2 * HALF + left, length), BM)
     args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready,
-            qdo_free, ds_bar, dq_desc, stage, dq_full, dq_empty, Lse, Delta, dK, dV, Counts, n_counted,
-            segment, start, length, kv_head, group, c0, c0 // BM, n_q, left, T, stride_kvt, qk_scale,
-            sm_scale)
+            qdo_free, ds_bar, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV,
+            Counts, n_counted, segment, start, length, kv_head, group, c0, c0 // BM, n_q, left, T, stride_kvt,
+            qk_scale, sm_scale)
     gl.warp_specialize([
         (_dkdv_partition, (args, 0)),
         (_dkdv_second_partition, (args, )),
@@ -281,8 +349,9 @@ def _dq_from_sums(
     D: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """dQ of the rows of a tile of the dQ table of the pass's documents: the float32 sums that the dK/dV pass
-    left, one [BM, D / 2] tile per (block, half of the columns), scaled and cast. The tail past the last
-    document (segment n_docs), which no key tile writes, gets zeros."""
+    left, two [64, 64] tiles per query block of BM rows (its column halves at head dim 128, its row halves
+    at 64), scaled and cast. The tail past the last document (segment n_docs), which no key tile writes,
+    gets zeros."""
     segment, block, first, length, _ = program_tile(tiles, n_tiles, cu_seqlens, n_docs, T)
     if segment < 0:
         return
@@ -290,9 +359,11 @@ def _dq_from_sums(
     rows = block * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
     qb = rows // BM
-    at = 2 * (head * n_counted + first // BM + segment + qb)[:, None] + cols[None, :] // (D // 2)
-    acc = tl.load(Sums + (at * BM + (rows % BM)[:, None]).to(tl.int64) * (D // 2) + cols[None, :] % (D // 2),
-                  mask=(rows < length)[:, None] & (segment < n_docs), other=0.0)
+    # One of the two terms is 0: the tile is the column half at head dim 128, the row half at 64.
+    part = (rows % BM // DQ_TILE)[:, None] + cols[None, :] // DQ_TILE
+    at = 2 * (head * n_counted + first // BM + segment + qb)[:, None] + part
+    offs = (at * DQ_TILE + (rows % DQ_TILE)[:, None]).to(tl.int64) * DQ_TILE + cols[None, :] % DQ_TILE
+    acc = tl.load(Sums + offs, mask=(rows < length)[:, None] & (segment < n_docs), other=0.0)
     offs = (first + rows).to(tl.int64)[:, None] * stride_t + head * D + cols[None, :]
     tl.store(dQ + offs, (acc * sm_scale).to(dQ.dtype.element_ty), mask=(rows < length)[:, None])
 
@@ -306,15 +377,19 @@ def backward_dkdv(
     i - left .. i (left >= T: the whole past), from delta as the delta pass writes it. `tiles` must list
     each document's key tiles from the last to the first."""
     T, H, D = q.shape
-    if (blocks.m, blocks.n, blocks.warps) != (64, 128, 8):
-        raise ValueError(f"the Gluon dK/dV pass runs 64-query blocks and two 64-key warpgroups, not {blocks}")
+    if (blocks.m * D, blocks.n, blocks.warps) != (8192, 128, 8):
+        raise ValueError(
+            f"the Gluon dK/dV pass runs query blocks of 8,192 elements and two 64-key warpgroups, not "
+            f"{blocks} at head dim {D}"
+        )
     n_tiles, n_docs = tiles.shape[1], cu_seqlens.numel() - 1
-    # A count per (head, query block); block b of a document from token s is s // 64 + its segment + b,
-    # which no block of another document shares. Its float32 dQ sums: a [64, D / 2] tile per half of D.
+    # A count per (head, query block); block b of a document from token s is s // m + its segment + b,
+    # which no block of another document shares. Its float32 dQ sums: two [64, 64] tiles.
     n_counted = T // blocks.m + n_docs + 1
     counts = torch.zeros(H * n_counted, dtype=torch.int32, device=q.device)
-    sums = torch.empty(2 * counts.numel() * blocks.m, D // 2, dtype=torch.float32, device=q.device)
-    box = [blocks.m, 32]
+    tile = DQ_TILE.value
+    sums = torch.empty(2 * counts.numel() * tile, tile, dtype=torch.float32, device=q.device)
+    box = [tile, 32]
     sums_desc = TensorDescriptor(
         sums, list(sums.shape), list(sums.stride()), box, nvmma_layout(tuple(box), torch.float32)
     )

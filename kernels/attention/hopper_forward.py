@@ -19,7 +19,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.attention.hopper import (
-    HEAD_DIM,
     LN2,
     LOG2E,
     MAX_REGISTERS,
@@ -140,9 +139,11 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
     D: gl.constexpr = k_smem.type.shape[5]
     NS: gl.constexpr = k_smem.type.shape[0]
     mma: gl.constexpr = mma_layout(BN)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    mma_o: gl.constexpr = mma_layout(D)  # of P V, which is mma's at head dim 128
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    o_rows: gl.constexpr = gl.SliceLayout(1, mma_o)
 
     first = r0 + HALF_INDEX * HALF
     rows = first + gl.arange(0, HALF, layout=row_layout)
@@ -164,7 +165,7 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
     l_i = gl.sum(p, 1)
     p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     # The loop carries acc as an accumulator that a product may still be writing.
-    acc = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma))
+    acc = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_o))
     for i in range(1, count):
         slot = (j0 + i) % NS
         prev = (j0 + i - 1) % NS
@@ -182,7 +183,7 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
         p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_free.index(prev), count=1)
-        acc = warpgroup_mma_init(acc * alpha[:, None])
+        acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_rows)[:, None])
     # Every product that reads Q is done: the load warp may bring the next item's.
     mbarrier.arrive(q_free, count=1)
     last = (j0 + count - 1) % NS
@@ -191,10 +192,11 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(kv_free.index(last), count=1)
 
-    out = acc / l_i[:, None]
-    cols_d = gl.arange(0, D, layout=col_layout)
-    offs = (start + rows).to(gl.int64)[:, None] * stride_ot + head * D + cols_d[None, :]
-    gl.store(Out + offs, out.to(Out.dtype.element_ty), mask=(rows < length)[:, None])
+    out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+    out_rows = gl.convert_layout(rows, o_rows)
+    cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
+    offs = (start + out_rows).to(gl.int64)[:, None] * stride_ot + head * D + cols_d[None, :]
+    gl.store(Out + offs, out.to(Out.dtype.element_ty), mask=(out_rows < length)[:, None])
     lse = (m_i + gl.log2(l_i)) * LN2
     gl.store(Lse + head * T + start + rows, lse, mask=rows < length)
 
@@ -256,7 +258,7 @@ def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks, 
     """Writes out [T, H, D] and lse [H, T] (as forward.py's kernel) for the query tiles of `tiles`, whose
     blocks are blocks.m rows, causal with query i seeing keys i - left .. i (left >= T: the whole past)."""
     T, H, D = q.shape
-    if (blocks.m, blocks.n, blocks.warps) != (128, HEAD_DIM, 8):
+    if (blocks.m, blocks.n, blocks.warps) != (128, 128, 8):
         raise ValueError(f"the Gluon forward runs 128-key blocks and two 64-row warpgroups, not {blocks}")
     n_tiles = tiles.shape[1]
     # One program per SM (224 KB of shared memory each), and a fresh counter of claimed items per launch.

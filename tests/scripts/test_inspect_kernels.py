@@ -30,10 +30,10 @@ def inspect(*args: str) -> list[dict]:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
     rows = inspect("--head-dim", str(head_dim), "--kernels", "fwd", "dq", "dkdv", "dq_stored")
-    # Hopper has no stored-dS dQ pass: at 128 the Gluon dK/dV pass writes dQ, and at 64 it measured slower.
+    # Hopper has no stored-dS dQ pass: the Gluon dK/dV pass writes dQ.
     assert {row["kernel"] for row in rows} == {"fwd", "dq", "dkdv"}
     gluon = {row["kernel"] for row in rows if row["blocks"]["gluon"]}
-    assert gluon == ({"fwd", "dkdv"} if head_dim == 128 else set())
+    assert gluon == {"fwd", "dkdv"}
     for row in rows:
         where = f"{row['kernel']} {row['blocks']}"
         assert row["shared_kb"] * 1024 <= HOPPER_SHARED_BYTES, where
@@ -42,9 +42,12 @@ def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
         if row["blocks"]["gluon"]:
             # Warp-specialised: a load warp issues TMA loads, the partitions trade registers, and a step of
             # the inner loops makes at most a couple of local-memory accesses (operand descriptors hoisted
-            # out of the dK/dV loop made triton 3.6's build spill 17-25 a step).
+            # out of the dK/dV loop made triton 3.6's build spill 17-25 a step). The dK/dV pass at head dim
+            # 64 holds [64, 128] S and dP beside dK and dV in 240 registers: triton 3.6's build spills none,
+            # 3.9's 18 a step on the masked blocks, against 45 or more where lse and delta are not staged.
             assert row["tma_loads"] > 0 and row["register_moves"] > 0, where
-            assert all(loop["spill_ops"] <= 2 for loop in row["loops"]), where
+            bound = 24 if (row["kernel"], head_dim) == ("dkdv", 64) else 2
+            assert all(loop["spill_ops"] <= bound for loop in row["loops"]), where
         elif row["blocks"]["tma"]:
             assert row["tma_loads"] > 0, where
         else:

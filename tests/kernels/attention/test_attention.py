@@ -302,21 +302,23 @@ def test_plan_bounded_by_max_seqlen_skips_the_longer_classes():
 
 
 @pytest.mark.parametrize("left", [65536, 512], ids=["past", "w512"])
-def test_gpu_plan_feeds_the_gluon_backward_what_it_needs(left, monkeypatch):
-    """The launches of a Hopper GPU at head dim 128 (the interpreter runs other blocks, and no Gluon): the
-    dK/dV pass, which there also writes dQ, takes every document; it must list each document's key tiles
-    from the last to the first (its dQ adds wait for the tiles after them, which must have started), and
-    delta, which it reads, and the dQ table of the same documents, from which its float32 sums are scaled
-    into dQ, must come before it. Other GPUs store the short documents' dS for a dQ pass of its own."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_plan_feeds_the_gluon_backward_what_it_needs(left, head_dim, monkeypatch):
+    """The launches of a Hopper GPU at head dims 64 and 128 (the interpreter runs other blocks, and no
+    Gluon): the dK/dV pass, which there also writes dQ, takes every document, in query blocks of 8,192
+    elements (the only ones it runs); it must list each document's key tiles from the last to the first
+    (its dQ adds wait for the tiles after them, which must have started), and delta, which it reads, and the
+    dQ table of the same documents, from which its float32 sums are scaled into dQ, must come before it.
+    Other GPUs run the Triton passes: at 128 they store the short documents' dS for a dQ pass of its own."""
     monkeypatch.setattr(block_sizes, "INTERPRET", False)
-    config = block_sizes.block_config(128, on_hopper=True)
+    config = block_sizes.block_config(head_dim, on_hopper=True)
     assert plan.fused_shortest(config, right=0) == 0
     launches = plan._launches(config, 65536, 65536, left, 0)
     kernels = [launch.kernel for launch in launches]
     assert "dq_stored" not in kernels
     gluon = [i for i, launch in enumerate(launches) if launch.kernel == "dkdv" and launch.blocks.gluon]
     assert gluon == [kernels.index("dkdv")] and kernels.count("dkdv") == 1
-    assert launches[gluon[0]].last_block_first
+    assert launches[gluon[0]].last_block_first and launches[gluon[0]].blocks.m * head_dim == 8192
     assert (launches[gluon[0]].shortest, launches[gluon[0]].longest) == (0, 65536)
     delta = kernels.index("delta")
     assert (launches[delta].shortest, launches[delta].longest) == (0, 65536) and delta < gluon[0]
@@ -325,9 +327,10 @@ def test_gpu_plan_feeds_the_gluon_backward_what_it_needs(left, monkeypatch):
     assert (launches[dq].shortest, launches[dq].longest) == (0, 65536)
     # Two-sided windows have no Gluon pass, and their dQ pass writes delta.
     assert plan.fused_shortest(config, right=64) is None
-    other = block_sizes.block_config(128, on_hopper=False)
+    other = block_sizes.block_config(head_dim, on_hopper=False)
     assert plan.fused_shortest(other, right=0) is None
-    assert "dq_stored" in [launch.kernel for launch in plan._launches(other, 65536, 65536, left, 0)]
+    other_kernels = [launch.kernel for launch in plan._launches(other, 65536, 65536, left, 0)]
+    assert ("dq_stored" in other_kernels) == (head_dim == 128) and "dq" in other_kernels
 
 
 def test_plan_that_does_not_fit_the_call_is_refused():

@@ -115,14 +115,15 @@ def test_bf16_matches_fp32_reference_and_varlen_attn(mix, d, heads, kv_heads, wi
 
 @pytest.mark.parametrize("left", [-1, 512, 100], ids=["past", "w512", "w100"])
 @pytest.mark.parametrize("as_other_gpu", [False, True], ids=["this_gpu", "other_gpu"])
-def test_passes_read_only_what_they_wrote(left, as_other_gpu, monkeypatch):
+@pytest.mark.parametrize("d", [64, 128])
+def test_passes_read_only_what_they_wrote(left, as_other_gpu, d, monkeypatch):
     """As the CPU test of the same name, at the GPU's block sizes: every float buffer that torch.empty(_like)
     makes while the passes run starts as NaN, so a pass that read memory no pass wrote (a dS slot that a
     window leaves unwritten, a float32 dQ sum that nothing stored, a tail row) would carry NaN into the
     gradients. GQA. On Hopper every document takes the Gluon passes; as another GPU (its launches, which
     store the dS of documents of up to 2,048 tokens), the Triton ones."""
-    q, k, v, cu = make_inputs(LONG, 16, 4, 128)
-    dout = torch.randn(T, 16, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v, cu = make_inputs(LONG, 16, 4, d)
+    dout = torch.randn(T, 16, d, device="cuda", dtype=torch.bfloat16)
     want = grads(reference((left, 0)), q.float(), k.float(), v.float(), cu, dout.float())
 
     if as_other_gpu:
@@ -145,9 +146,10 @@ def test_fp16():
 
 
 @pytest.mark.parametrize("mix", ["a_nanochat", "long"])
-def test_backward_is_bitwise_deterministic(mix):
-    q, k, v, cu = make_inputs(lengths_of(mix), 16, 4, 128)
-    dout = torch.randn(T, 16, 128, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_is_bitwise_deterministic(mix, d):
+    q, k, v, cu = make_inputs(lengths_of(mix), 16, 4, d)
+    dout = torch.randn(T, 16, d, device="cuda", dtype=torch.bfloat16)
     first = grads(ours((-1, 0)), q, k, v, cu, dout)
     for _ in range(3):
         again = grads(ours((-1, 0)), q, k, v, cu, dout)
@@ -201,21 +203,22 @@ def test_compiled_model_has_no_graph_break_and_no_recompile():
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("left", [-1, 512, 100], ids=["past", "w512", "w100"])
-def test_gluon_kernels_agree_with_triton_kernels(dtype, left, monkeypatch):
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_kernels_agree_with_triton_kernels(dtype, left, d, monkeypatch):
     """The warp-specialised forward and dK/dV (with dQ) passes against the Triton kernels they replace,
     with GQA, over the whole past and causal windows (one shorter than a key block, so that some
     blocks hold no key of some rows): the forward and dV are the same sums in the same order (bitwise
     equal); the dQ pass sums delta in another order, so dQ and dK agree to rounding. A tail of 3,000 tokens
     past the last document."""
     lengths = [9000, 2049, 30000, 100, 4500, 17000, 2047]
-    q, k, v, cu = make_inputs(lengths, 16, 4, 128, dtype)
+    q, k, v, cu = make_inputs(lengths, 16, 4, d, dtype)
     cu = cu[:-1].contiguous()
     dout = torch.randn_like(q)
     assert hopper.supported(q, k, v, dout)
 
     def run():
-        out, lse = forward(q, k, v, cu, left, 0, 128**-0.5)
-        return out, lse, *backward(dout, q, k, v, out, lse, None, cu, left, 0, 128**-0.5)
+        out, lse = forward(q, k, v, cu, left, 0, d**-0.5)
+        return out, lse, *backward(dout, q, k, v, out, lse, None, cu, left, 0, d**-0.5)
 
     gluon, again = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(gluon, again, strict=True))
