@@ -50,8 +50,9 @@ def block_config(head_dim: int, on_hopper: bool = False) -> Config:
         }
     # On Hopper the Gluon passes take every document, as at head dim 128 below; the dK/dV pass streams query
     # blocks of 128 rows, as many elements as at 128. Against the Triton passes below, the backward measured
-    # 7% faster on mix (a) of scripts/bench_attention.py, 20% on (c) and level on (b); six forward stages
-    # measured 1-2% faster than four on (c).
+    # 8% faster on mix (a) of scripts/bench_attention.py and 13-22% on (c), and 4% slower on (b), whose short
+    # documents waste more of the 128-query blocks on the diagonal; six forward stages measured 2% faster
+    # than four on (c).
     if head_dim == 64 and on_hopper:
         return {
             "fwd": [(None, Blocks(128, 128, 8, 6, True, True))],
