@@ -344,13 +344,14 @@ def tune(head_dims, mixes, heads, tokens, kernels=KERNELS, window: int = -1) -> 
     rows = []
 
     def gluon_candidates(kernel, head_dim):
-        """On Hopper, the Gluon passes: the forward's ring depths, and the dK/dV pass (its query blocks hold
-        8,192 elements)."""
-        if not on_hopper or head_dim not in (64, 128):
+        """On Hopper, the config's Gluon blocks of the pass (their shapes are the Gluon kernels' own), with
+        the forward's ring depths varied."""
+        if not on_hopper:
             return []
+        gluon = [b for _, b in default_config(head_dim, True)[kernel] if b.gluon]
         if kernel == "fwd":
-            return [Blocks(128, 128, 8, stages, tma, True) for stages in (2, 3, 4, 5, 6)]
-        return [Blocks(8192 // head_dim, 128, 8, 2, False, True)] if kernel == "dkdv" else []
+            return [b._replace(stages=stages) for b in gluon for stages in (2, 3, 4, 5, 6)]
+        return gluon
 
     def run(row, part, q, k, v, cu, lengths, flops):
         try:
