@@ -92,10 +92,15 @@ def make_batch(lengths, heads, head_dim, device="cuda", dtype=torch.bfloat16, se
 
 
 def ours(q, k, v, cu, lengths, window=-1):
-    from kernels.attention import flash_attn_varlen
+    from kernels.attention import flash_attn_plan, flash_attn_varlen
 
     def fwd(q, k, v):
-        return flash_attn_varlen(q, k, v, cu, max(lengths), causal=True, window_size=(window, 0))
+        # As the model calls it: a plan of the batch's documents bounded by the longest (max_seqlen), made
+        # here in every call, where the model makes one per batch for all its layers.
+        plan = flash_attn_plan(
+            cu, q.shape[0], q.shape[2], causal=True, window_size=(window, 0), max_seqlen=max(lengths)
+        )
+        return flash_attn_varlen(q, k, v, cu, max(lengths), causal=True, window_size=(window, 0), plan=plan)
 
     return fwd, (q, k, v)
 

@@ -97,6 +97,7 @@ def signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks, arch: 
         BLOCK_D=block_d,
         BLOCK_M=blocks.m,
         BLOCK_N=blocks.n,
+        TILE_M=blocks.m,
         BM_KV=store_blocks.m,
         TMA=blocks.tma,
         HAS_DLSE=False,
@@ -117,17 +118,20 @@ def gluon_signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks):
     def descriptor(name):
         if name == "dq_desc":  # the dK/dV pass's float32 dQ columns, [64, 32] boxes
             return f"tensordesc<fp32[64, 32],{gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32)!r}>"
-        # The forward and dQ pass split 2 x 64-query tiles between the warpgroups and stream key blocks;
+        # The forward splits its query tiles into 64-row parts, one per warpgroup, and streams key blocks;
         # the dK/dV pass splits 2 x 64-key tiles and streams query blocks.
         query_side = name in ("q_desc", "do_desc")
         if kernel == "dkdv":
             rows = blocks.m if query_side else blocks.n // 2
         else:
-            rows = blocks.m // 2 if query_side else blocks.n
+            rows = 64 if query_side else blocks.n
         shape = [1, 1, rows, 1, head_dim]
         return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
 
-    return _signature(fn, dict(STAGES=blocks.stages, HAS_DLSE=False), descriptor)
+    constants = dict(STAGES=blocks.stages, HAS_DLSE=False)
+    if kernel == "fwd":
+        constants["PARTS"] = blocks.m // 64
+    return _signature(fn, constants, descriptor)
 
 
 def _signature(fn, constants: dict, descriptor, aligned_ints=ALIGNED_INTS):
@@ -237,7 +241,9 @@ def inspect_kernel(
         fn = GLUON_KERNELS[kernel]
         sig, constexprs, attrs = gluon_signature(kernel, fn, head_dim, blocks)
         source = GluonASTSource(fn, sig, constexprs, attrs)
-        options = dict(num_warps=hopper.WARPS, maxnreg=hopper.MAX_REGISTERS)
+        # The forward's warpgroups own 64 query rows each, the dK/dV pass's two own half the key tile.
+        warpgroups = blocks.m // 64 + 1 if kernel == "fwd" else 3
+        options = dict(num_warps=hopper.WARPS, maxnreg=hopper.max_registers(warpgroups))
     else:
         fn = KERNELS[kernel]
         sig, constexprs, attrs = signature(kernel, fn, head_dim, blocks, arch)

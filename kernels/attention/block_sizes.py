@@ -19,9 +19,9 @@ class Blocks(NamedTuple):
     # bounds each document in hardware) instead of per-thread loads, where that measured faster.
     tma: bool = False
     # On Hopper, head dim 64 or 128, causal: the class runs the warp-specialised Gluon kernels of
-    # hopper_forward.py and hopper_backward.py instead (a load warp; two warpgroups of m / 2 query rows in the
-    # forward, of n / 2 keys in the dK/dV pass, which also adds up dQ, so that the dQ pass of its documents
-    # does not run).
+    # hopper_forward.py and hopper_backward.py instead (a load warp; a warpgroup per 64 query rows in the
+    # forward, m = 128 or 192; two warpgroups of n / 2 keys in the dK/dV pass, which also adds up dQ, so that
+    # the dQ pass of its documents does not run).
     gluon: bool = False
 
 
@@ -52,10 +52,12 @@ def block_config(head_dim: int, on_hopper: bool = False) -> Config:
     # blocks of 128 rows, as many elements as at 128. Against the Triton passes below, the backward measured
     # 8% faster on mix (a) of scripts/bench_attention.py and 13-22% on (c), and 4% slower on (b), whose short
     # documents waste more of the 128-query blocks on the diagonal; six forward stages measured 2% faster
-    # than four on (c).
+    # than four on (c). Documents longer than 2,048 tokens take forward tiles of 192 queries, three
+    # warpgroups sharing each key block (as FlashAttention-4 does at this head dim): the forward measured
+    # 6-9% faster on (c) (an H200, an H100); on (a) and (b) such tiles measured 4% and 13% slower.
     if head_dim == 64 and on_hopper:
         return {
-            "fwd": [(None, Blocks(128, 128, 8, 6, True, True))],
+            "fwd": [(2048, Blocks(128, 128, 8, 6, True, True)), (None, Blocks(192, 128, 12, 6, True, True))],
             "dq": [(None, Blocks(64, 64, 4, 3))],
             "dkdv": [(None, Blocks(128, 128, 8, 2, False, True))],
         }

@@ -55,8 +55,9 @@ def _fwd_kernel(
     Q, K, V, Out, Lse, k_desc, v_desc, tiles, n_tiles, cu_seqlens, n_docs, T, stride_qt, stride_qh,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, group, left, right, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TMA: tl.constexpr,
+    TILE_M: tl.constexpr, TMA: tl.constexpr,
 ):
+    """Rows BLOCK_M p .. BLOCK_M (p + 1) - 1 of a table tile of TILE_M rows, p = program_id(2)."""
     segment, block, first, q_len, k_len = program_tile(tiles, n_tiles, cu_seqlens, n_docs, T)
     if segment < 0:
         return
@@ -67,7 +68,7 @@ def _fwd_kernel(
     k_base = K + start * stride_kt + kv_head * stride_kh
     v_base = V + start * stride_vt + kv_head * stride_vh
 
-    r0 = block * BLOCK_M
+    r0 = block * TILE_M + tl.program_id(2) * BLOCK_M
     rows = r0 + tl.arange(0, BLOCK_M)
     q = load_rows(q_base, rows, stride_qt, q_len, HEAD_DIM, BLOCK_D, True)
     # A finite start for the running max keeps exp2(m_i - m_new) finite for rows that have seen only masks.
@@ -122,11 +123,14 @@ def forward(
             hopper_forward.forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale, blocks, left)
             continue
         k_desc, v_desc = tma_descriptors(blocks, blocks.n, BLOCK_D, k, v)
-        _fwd_kernel[(tiles.shape[1], H)](
+        # A Gluon class's tile may hold three warpgroups' rows (192): Triton's blocks are powers of two, so
+        # such a tile runs as programs of its largest power-of-two divisor.
+        block_m = blocks.m & -blocks.m
+        _fwd_kernel[(tiles.shape[1], H, blocks.m // block_m)](
             q, k, v, out, lse, k_desc, v_desc, tiles, tiles.shape[1], cu_seqlens, cu_seqlens.numel() - 1, T,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
             out.stride(1), H // k.shape[1], left, right, softmax_scale * LOG2E.value, HEAD_DIM=D,
-            BLOCK_D=BLOCK_D, BLOCK_M=blocks.m, BLOCK_N=blocks.n, TMA=k_desc is not None,
-            num_warps=blocks.warps, num_stages=blocks.stages,
+            BLOCK_D=BLOCK_D, BLOCK_M=block_m, BLOCK_N=blocks.n, TILE_M=blocks.m, TMA=k_desc is not None,
+            num_warps=min(blocks.warps, 8), num_stages=blocks.stages,
         )
     return out, lse

@@ -5,10 +5,10 @@ The partitions of a program:
 - a load warp streams tiles by TMA into a ring of STAGES slots, each with its own mbarriers: K and V for
   the forward (query tiles of 128 rows, one head), Q and dO for the dK/dV pass (key tiles of 128 rows, one
   kv head), with the query block's lse and delta beside them;
-- two warpgroups own 64 of the tile's rows each. They wait only on their slot's mbarriers, never on a
-  CTA-wide barrier (triton's own pipeliner puts one around every TMA issue). In the forward each issues
-  the next key block's products before the current block's exponentials, so those run under a product
-  (FlashAttention-3's overlap within a warpgroup);
+- warpgroups own 64 of the tile's rows each: two, or three in a forward of 192-row query tiles. They wait
+  only on their slot's mbarriers, never on a CTA-wide barrier (triton's own pipeliner puts one around
+  every TMA issue). In the forward each issues the next key block's products before the current block's
+  exponentials, so those run under a product (FlashAttention-3's overlap within a warpgroup);
 - in the dK/dV pass, a writer warp that adds each query block's share of dQ into float32 sums by TMA.
 Head dim 64 or 128, causal, over the whole past or a window of the last `left` keys: a query tile visits the
 key blocks from its window's first one (`first_block`) to the diagonal, a key tile the query blocks from the
@@ -54,13 +54,16 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
 
-# Launch: the kernel's own warps are the first warpgroup; the partitions add a second warpgroup and the
-# load warp (padded to a warpgroup). At 168 registers a thread, the 384 threads hold the whole register
-# file, which the kernels' warp_specialize calls share out as 240 / 240 / 24 (setmaxnreg).
+# Launch: the kernel's own warps are the first warpgroup; the partitions add one or two more warpgroups and
+# the load warp (padded to a warpgroup).
 WARPS = 4
 
 
-MAX_REGISTERS = 168
+def max_registers(warpgroups: int) -> int:
+    """A thread's registers in a launch of `warpgroups` warpgroups: the register file shared evenly, in
+    ptxas' steps of 8. The kernels' warp_specialize calls then share it out (setmaxnreg): 240 / 240 / 24
+    with two warpgroups beside the load warp (168 each at launch), 160 / 160 / 160 / 24 with three."""
+    return 65536 // (128 * warpgroups) // 8 * 8
 
 
 @gluon.constexpr_function
@@ -110,12 +113,12 @@ def stream_pairs(a_desc, b_desc, a_smem, b_smem, a_ready, b_ready, free, start, 
 
 
 @gluon.jit
-def load_halves(desc, smem, bar, start, length, head, r0, FIRST: gl.constexpr):
-    """The two halves (the descriptor's rows each) of a tile from row r0 on into smem slots FIRST and
-    FIRST + 1, completing on bar."""
-    HALF: gl.constexpr = desc.block_type.shape[2]
-    for h in gl.static_range(2):
-        a, b, c = ragged_row(start, length, r0 + h * HALF)
+def load_parts(desc, smem, bar, start, length, head, r0, FIRST: gl.constexpr, PARTS: gl.constexpr):
+    """The PARTS parts (the descriptor's rows each) of a tile from row r0 on into smem slots FIRST ..
+    FIRST + PARTS - 1, completing on bar."""
+    ROWS: gl.constexpr = desc.block_type.shape[2]
+    for h in gl.static_range(PARTS):
+        a, b, c = ragged_row(start, length, r0 + h * ROWS)
         tma_load(desc, [a, b, c, head, 0], bar, smem.index(FIRST + h))
 
 
@@ -147,10 +150,10 @@ def needs_mask(block, last_block, last_row, left, BN: gl.constexpr):
 
 
 @gluon.jit
-def tile_ring(a_desc, b_desc, STAGES: gl.constexpr):
+def tile_ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """A ring of STAGES slots for pairs of tiles (K and V, or Q and dO) and their mbarriers (ready: the
-    load landed; free: both warpgroups are done with the slot), and one more mbarrier for the tiles
-    that are loaded once."""
+    load landed; free: the CONSUMERS warpgroups are done with the slot), and one more mbarrier for the
+    tiles that are loaded once."""
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -161,7 +164,7 @@ def tile_ring(a_desc, b_desc, STAGES: gl.constexpr):
     for i in gl.static_range(STAGES):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(b_ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=2)
+        mbarrier.init(free.index(i), count=CONSUMERS)
     return a_smem, b_smem, once, a_ready, b_ready, free
 
 

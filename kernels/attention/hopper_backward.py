@@ -23,10 +23,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.attention.hopper import (
     LOG2E,
-    MAX_REGISTERS,
     WARPS,
-    load_halves,
     load_pair,
+    load_parts,
+    max_registers,
     mma_layout,
     store_zeros,
     table_entry,
@@ -57,8 +57,8 @@ def _dkdv_load_partition(args):
      ds_bar, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
      segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
-    load_halves(k_desc, kv_smem, kv_bar, start, length, kv_head, c0, 0)
-    load_halves(v_desc, kv_smem, kv_bar, start, length, kv_head, c0, 2)
+    load_parts(k_desc, kv_smem, kv_bar, start, length, kv_head, c0, 0, 2)
+    load_parts(v_desc, kv_smem, kv_bar, start, length, kv_head, c0, 2, 2)
     BM: gl.constexpr = q_desc.block_type.shape[2]
     lanes: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
     j = 0
@@ -310,7 +310,7 @@ def _dkdv_kernel(
         store_zeros(dV, start, c0, length, kv_head, stride_kvt, 2 * HALF, D, layout)
         return
 
-    q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_free = tile_ring(q_desc, do_desc, STAGES)
+    q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_free = tile_ring(q_desc, do_desc, STAGES, 2)
     kv_smem = gl.allocate_shared_memory(k_desc.dtype, [4] + k_desc.block_type.shape, k_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ds_smem = gl.allocate_shared_memory(k_desc.dtype, [4, HALF, BM], ds_layout)
@@ -397,7 +397,7 @@ def backward_dkdv(
         tma_descriptor(q, blocks.m), tma_descriptor(dout, blocks.m), tma_descriptor(k, blocks.n // 2),
         tma_descriptor(v, blocks.n // 2), sums_desc, lse, delta, dk, dv, counts, n_counted, tiles, n_tiles,
         cu_seqlens, n_docs, T, dk.stride(0), H // k.shape[1], softmax_scale * LOG2E.value, softmax_scale,
-        left, STAGES=blocks.stages, num_warps=WARPS, maxnreg=MAX_REGISTERS,
+        left, STAGES=blocks.stages, num_warps=WARPS, maxnreg=max_registers(3),
     )
     _dq_from_sums[(dq_tiles.shape[1], H)](
         sums, dq, dq_tiles, dq_tiles.shape[1], cu_seqlens, n_docs, T, n_counted, dq.stride(0), softmax_scale,

@@ -6,6 +6,8 @@ warpgroups finish the last one, no program pays a launch per tile or per unused 
 in turn balances the SMs as the hardware's own scheduling of one program per tile does. Table order also
 keeps one document's K/V in L2 for its neighbouring tiles: a static round-robin split balanced 6-19% worse,
 and a global longest-first order loses that reuse.
+
+A query tile holds 128 rows (two warpgroups) or 192 (three, which share each key block among more rows).
 """
 
 import torch
@@ -21,10 +23,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from kernels.attention.hopper import (
     LN2,
     LOG2E,
-    MAX_REGISTERS,
     WARPS,
     first_block,
-    load_halves,
+    load_parts,
+    max_registers,
     mma_layout,
     needs_mask,
     store_zeros,
@@ -73,7 +75,8 @@ def _load_partition(args):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
      item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
      qk_scale, left) = args
-    HALF: gl.constexpr = q_desc.block_type.shape[2]
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    PARTS: gl.constexpr = q_smem.type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[2]
     j = 0  # K/V pairs through the ring
     n_q = 0  # Q tiles loaded
@@ -82,13 +85,13 @@ def _load_partition(args):
     while w >= 0:
         _hand_over(items, item_ready, item_free, i, w)
         segment, start, length, r0, n_blocks = table_entry(
-            w // H, tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, BN
+            w // H, tiles, n_tiles, cu_seqlens, n_docs, T, PARTS * ROWS, BN
         )
         head = w % H
         if n_blocks > 0:
             mbarrier.wait(q_free, (n_q & 1) ^ 1)
-            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-            load_halves(q_desc, q_smem, q_bar, start, length, head, r0, 0)
+            mbarrier.expect(q_bar, PARTS * q_desc.block_type.nbytes)
+            load_parts(q_desc, q_smem, q_bar, start, length, head, r0, 0, PARTS)
             j = stream_pairs(
                 k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, start, length, head // group,
                 first_block(r0, left, BN), n_blocks, j,
@@ -100,12 +103,13 @@ def _load_partition(args):
 
 
 @gluon.jit
-def _softmax_partition(args, HALF_INDEX: gl.constexpr):
-    """One warpgroup: 64 query rows of each item the load warp hands over."""
+def _softmax_partition(args, WG: gl.constexpr):
+    """One warpgroup: rows 64 WG .. 64 WG + 63 of each item the load warp hands over."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
      item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
      qk_scale, left) = args
-    HALF: gl.constexpr = q_desc.block_type.shape[2]
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    PARTS: gl.constexpr = q_smem.type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
     j = 0
@@ -114,15 +118,15 @@ def _softmax_partition(args, HALF_INDEX: gl.constexpr):
     w = _take_over(items, item_ready, item_free, i)
     while w >= 0:
         segment, start, length, r0, n_blocks = table_entry(
-            w // H, tiles, n_tiles, cu_seqlens, n_docs, T, 2 * HALF, BN
+            w // H, tiles, n_tiles, cu_seqlens, n_docs, T, PARTS * ROWS, BN
         )
         head = w % H
         if n_blocks == 0:
-            _store_empty(Out, Lse, start, head, stride_ot, T, r0 + HALF_INDEX * HALF, length, HALF, D)
+            _store_empty(Out, Lse, start, head, stride_ot, T, r0 + WG * ROWS, length, ROWS, D)
         else:
             lo = first_block(r0, left, BN)
             _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length,
-                    head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j, n_q, HALF_INDEX)
+                    head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j, n_q, WG)
             j += n_blocks - lo
             n_q += 1
         i += 1
@@ -131,10 +135,12 @@ def _softmax_partition(args, HALF_INDEX: gl.constexpr):
 
 @gluon.jit
 def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length, head,
-            r0, lo, n_blocks, left, T, stride_ot, qk_scale, j0, n_q, HALF_INDEX: gl.constexpr):
-    """Online softmax of the warpgroup's 64 rows of the query tile from row r0 over its key blocks lo ..
-    n_blocks - 1, which are ring entries j0.., then out and lse."""
-    HALF: gl.constexpr = q_smem.type.shape[3]  # Q and the ring hold [1, 1, rows, 1, D] TMA blocks
+            r0, lo, n_blocks, left, T, stride_ot, qk_scale, j0, n_q, WG: gl.constexpr):
+    """Online softmax of the warpgroup's 64 rows of the query tile from row r0 over the key blocks they see,
+    then out and lse. The tile's blocks lo .. n_blocks - 1 are ring entries j0..; the warpgroup releases
+    those its rows do not see (before their window, or after their diagonal in a tile of three warpgroups)
+    without reading them."""
+    ROWS: gl.constexpr = q_smem.type.shape[3]  # Q and the ring hold [1, 1, rows, 1, D] TMA blocks
     BN: gl.constexpr = k_smem.type.shape[3]
     D: gl.constexpr = k_smem.type.shape[5]
     NS: gl.constexpr = k_smem.type.shape[0]
@@ -145,27 +151,31 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
     col_layout: gl.constexpr = gl.SliceLayout(0, mma)
     o_rows: gl.constexpr = gl.SliceLayout(1, mma_o)
 
-    first = r0 + HALF_INDEX * HALF
-    rows = first + gl.arange(0, HALF, layout=row_layout)
-    last_row = first + HALF - 1
-    q = q_smem.index(HALF_INDEX).reshape([HALF, D])
-    zeros = gl.zeros([HALF, BN], gl.float32, mma)
-    count = n_blocks - lo
+    first = r0 + WG * ROWS
+    rows = first + gl.arange(0, ROWS, layout=row_layout)
+    last_row = first + ROWS - 1
+    q = q_smem.index(WG).reshape([ROWS, D])
+    zeros = gl.zeros([ROWS, BN], gl.float32, mma)
+    own_lo = first_block(first, left, BN)
+    own_hi = gl.cdiv(gl.minimum(first + ROWS, length), BN)
+    _release(k_ready, v_ready, kv_free, j0, own_lo - lo)
+    j0 += own_lo - lo
+    count = own_hi - own_lo
     mbarrier.wait(q_bar, n_q & 1)
 
-    # Block lo alone; then each step issues S = Q K^T of block j and P V of block j - 1 together, and
+    # Block own_lo alone; then each step issues S = Q K^T of block j and P V of block j - 1 together, and
     # computes block j's softmax while P V runs (FlashAttention-3's overlap within a warpgroup).
     mbarrier.wait(k_ready.index(j0 % NS), (j0 // NS) & 1)
     s = warpgroup_mma(q, transposed_slot(k_smem, j0 % NS, BN, D), zeros, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    s = _mask(s, rows, lo, n_blocks, last_row, left, BN, col_layout)
+    s = _mask(s, rows, own_lo, own_hi, last_row, left, BN, col_layout)
     # A finite floor for rows that see none of the window's first block keeps exp2(m_i - m_new) finite.
     m_i = gl.maximum(gl.max(s, 1) * qk_scale, -1.0e30)
     p = gl.exp2(s * qk_scale - m_i[:, None])
     l_i = gl.sum(p, 1)
     p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     # The loop carries acc as an accumulator that a product may still be writing.
-    acc = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_o))
+    acc = warpgroup_mma_init(gl.zeros([ROWS, D], gl.float32, mma_o))
     for i in range(1, count):
         slot = (j0 + i) % NS
         prev = (j0 + i - 1) % NS
@@ -174,7 +184,7 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
         mbarrier.wait(v_ready.index(prev), ((j0 + i - 1) // NS) & 1)
         acc = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        s = _mask(s, rows, lo + i, n_blocks, last_row, left, BN, col_layout)
+        s = _mask(s, rows, own_lo + i, own_hi, last_row, left, BN, col_layout)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -191,6 +201,7 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
     acc = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(kv_free.index(last), count=1)
+    _release(k_ready, v_ready, kv_free, j0 + count, n_blocks - own_hi)
 
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
     out_rows = gl.convert_layout(rows, o_rows)
@@ -199,6 +210,17 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
     gl.store(Out + offs, out.to(Out.dtype.element_ty), mask=(out_rows < length)[:, None])
     lse = (m_i + gl.log2(l_i)) * LN2
     gl.store(Lse + head * T + start + rows, lse, mask=rows < length)
+
+
+@gluon.jit
+def _release(k_ready, v_ready, kv_free, j0, n):
+    """Frees ring entries j0 .. j0 + n - 1, which the warpgroup does not read, each once it has landed: so
+    that the arrival counts toward that entry's use of its slot, never an earlier one's."""
+    NS: gl.constexpr = k_ready.type.shape[0]
+    for j in range(j0, j0 + n):
+        mbarrier.wait(k_ready.index(j % NS), (j // NS) & 1)
+        mbarrier.wait(v_ready.index(j % NS), (j // NS) & 1)
+        mbarrier.arrive(kv_free.index(j % NS), count=1)
 
 
 @gluon.jit
@@ -218,30 +240,43 @@ def _second_softmax_partition(args):
 
 
 @gluon.jit
+def _third_softmax_partition(args):
+    _softmax_partition(args, 2)
+
+
+@gluon.jit
 def _fwd_persistent_kernel(
     q_desc, k_desc, v_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group, qk_scale,
-    left, Counter, STAGES: gl.constexpr,
+    left, Counter, STAGES: gl.constexpr, PARTS: gl.constexpr,
 ):
     """Persistent: each program runs items (query tile, head) claimed from Counter until none is left."""
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = tile_ring(k_desc, v_desc, STAGES)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [PARTS] + q_desc.block_type.shape, q_desc.layout)
+    k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = tile_ring(k_desc, v_desc, STAGES, PARTS)
     q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_free, count=2)
+    mbarrier.init(q_free, count=PARTS)
     items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(item_ready.index(i), count=1)
-        mbarrier.init(item_free.index(i), count=2)
+        mbarrier.init(item_free.index(i), count=PARTS)
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
             item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H,
             group, qk_scale, left)
-    gl.warp_specialize([
-        (_softmax_partition, (args, 0)),
-        (_second_softmax_partition, (args, )),
-        (_load_partition, (args, )),
-    ], [4, 1], [240, 24])
+    if PARTS == 2:
+        gl.warp_specialize([
+            (_softmax_partition, (args, 0)),
+            (_second_softmax_partition, (args, )),
+            (_load_partition, (args, )),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_softmax_partition, (args, 0)),
+            (_second_softmax_partition, (args, )),
+            (_third_softmax_partition, (args, )),
+            (_load_partition, (args, )),
+        ], [4, 4, 1], [160, 160, 24])
 
 
 @gluon.jit
@@ -258,15 +293,18 @@ def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks, 
     """Writes out [T, H, D] and lse [H, T] (as forward.py's kernel) for the query tiles of `tiles`, whose
     blocks are blocks.m rows, causal with query i seeing keys i - left .. i (left >= T: the whole past)."""
     T, H, D = q.shape
-    if (blocks.m, blocks.n, blocks.warps) != (128, 128, 8):
-        raise ValueError(f"the Gluon forward runs 128-key blocks and two 64-row warpgroups, not {blocks}")
+    if blocks.n != 128 or blocks.m not in (128, 192) or blocks.warps != blocks.m // 16:
+        raise ValueError(
+            f"the Gluon forward runs 128-key blocks and a warpgroup (4 warps) per 64 query rows, not {blocks}"
+        )
+    parts = blocks.m // 64
     n_tiles = tiles.shape[1]
-    # One program per SM (224 KB of shared memory each), and a fresh counter of claimed items per launch.
+    # One program per SM (up to 224 KB of shared memory each), and a fresh counter of claimed items.
     programs = min(n_tiles * H, sm_count(q.device))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _fwd_persistent_kernel[(programs,)](
-        tma_descriptor(q, blocks.m // 2), tma_descriptor(k, blocks.n), tma_descriptor(v, blocks.n), out, lse,
+        tma_descriptor(q, 64), tma_descriptor(k, blocks.n), tma_descriptor(v, blocks.n), out, lse,
         tiles, n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H, H // k.shape[1],
-        softmax_scale * LOG2E.value, left, counter, STAGES=blocks.stages, num_warps=WARPS,
-        maxnreg=MAX_REGISTERS,
+        softmax_scale * LOG2E.value, left, counter, STAGES=blocks.stages, PARTS=parts, num_warps=WARPS,
+        maxnreg=max_registers(parts + 1),
     )

@@ -333,6 +333,42 @@ def test_gpu_plan_feeds_the_gluon_backward_what_it_needs(left, head_dim, monkeyp
     assert ("dq_stored" in other_kernels) == (head_dim == 128) and "dq" in other_kernels
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("window", ["causal", "sliding"])
+def test_triton_forward_runs_tiles_of_several_blocks(window, tma, monkeypatch):
+    """A forward class whose tiles are not a power of two (on Hopper, 192 query rows for three warpgroups)
+    runs in the Triton kernel as programs of the largest power-of-two divisor: here 48-row tiles as three
+    16-row programs each, against float64."""
+    config = dict(block_sizes.block_config(64))
+    config["fwd"] = [(None, block_sizes.Blocks(48, 16, 4, 1, tma))]
+    monkeypatch.setattr(block_sizes, "block_config", lambda head_dim, on_hopper=False: config)
+    q, k, v, cu = make_inputs(MIXES["random"], 64, 4, 2, torch.float16)
+    out, lse = forward_op(q, k, v, cu, WINDOWS[window], 0.125)
+    ref_out, ref_lse, *_ = run_reference(q, k, v, cu, WINDOWS[window], 0.125, torch.zeros(T, 4, 64))
+    assert rel_err(out, ref_out) < TOL[torch.float16]
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_forward_classes_are_gluon_tiles_of_64_row_parts(head_dim, monkeypatch):
+    """The forward launches of a Hopper GPU: every class runs the Gluon kernel on 128-key blocks with a
+    warpgroup (4 warps) per 64 query rows; at head dim 64 documents longer than 2,048 tokens take 192-row
+    tiles, which a plan bounded by a max_seqlen of 2,048 does not launch."""
+    monkeypatch.setattr(block_sizes, "INTERPRET", False)
+    config = block_sizes.block_config(head_dim, on_hopper=True)
+    launches = [launch for launch in plan._launches(config, 65536, 65536, 65536, 0) if launch.kernel == "fwd"]
+    for launch in launches:
+        b = launch.blocks
+        assert b.gluon and b.tma and b.n == 128 and b.m in (128, 192) and b.warps == b.m // 16, b
+        assert launch.block == b.m and launch.last_block_first
+    rows = [(launch.shortest, launch.blocks.m) for launch in launches]
+    assert rows == ([(0, 128), (2048, 192)] if head_dim == 64 else [(0, 128)])
+    bounded = [launch for launch in plan._launches(config, 65536, 2048, 65536, 0) if launch.kernel == "fwd"]
+    assert [launch.blocks.m for launch in bounded] == [128]
+
+
 def test_plan_that_does_not_fit_the_call_is_refused():
     q, k, v, cu = make_inputs(MIXES["edges"], 64, 2, 1, torch.float16)
     plan = flash_attn_plan(cu, T, 64, window_size=(24, 0))
