@@ -26,6 +26,13 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
+def max_registers(warpgroups: int) -> int:
+    """A thread's registers in a launch of `warpgroups` warpgroups: the register file (64K) shared evenly, in
+    ptxas' steps of 8. Warp-specialised kernels then share it out unevenly (setmaxnreg): 240 / 240 / 24 with
+    two warpgroups beside a load warp padded to one (168 each at launch), 160 / 160 / 160 / 24 with three."""
+    return 65536 // (128 * warpgroups) // 8 * 8
+
+
 def check_interpreter() -> None:
     """Refuse to launch in the interpreter when triton's library was set up without it."""
     if INTERPRET and not _LIBRARY_INTERPRETED:

@@ -43,6 +43,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.attention import backward, block_sizes, forward, hopper, hopper_backward, hopper_forward, tiles  # noqa: E402
+from kernels.common import max_registers  # noqa: E402
 from kernels.fused import gemm_hopper as gh  # noqa: E402
 
 # The classes with blocks.gluon run these warp-specialised Gluon kernels on Hopper instead.
@@ -243,7 +244,7 @@ def inspect_kernel(
         source = GluonASTSource(fn, sig, constexprs, attrs)
         # The forward's warpgroups own 64 query rows each, the dK/dV pass's two own half the key tile.
         warpgroups = blocks.m // 64 + 1 if kernel == "fwd" else 3
-        options = dict(num_warps=hopper.WARPS, maxnreg=hopper.max_registers(warpgroups))
+        options = dict(num_warps=hopper.WARPS, maxnreg=max_registers(warpgroups))
     else:
         fn = KERNELS[kernel]
         sig, constexprs, attrs = signature(kernel, fn, head_dim, blocks, arch)

@@ -3,8 +3,8 @@ the ring of TMA slots, the loads by ragged descriptor, and which tensors they ta
 
 The partitions of a program:
 - a load warp streams tiles by TMA into a ring of STAGES slots, each with its own mbarriers: K and V for
-  the forward (query tiles of 128 rows, one head), Q and dO for the dK/dV pass (key tiles of 128 rows, one
-  kv head), with the query block's lse and delta beside them;
+  the forward (query tiles of 128 or 192 rows, one head), Q and dO for the dK/dV pass (key tiles of 128
+  rows, one kv head), with the query block's lse and delta beside them;
 - warpgroups own 64 of the tile's rows each: two, or three in a forward of 192-row query tiles. They wait
   only on their slot's mbarriers, never on a CTA-wide barrier (triton's own pipeliner puts one around
   every TMA issue). In the forward each issues the next key block's products before the current block's
@@ -55,15 +55,8 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 # Launch: the kernel's own warps are the first warpgroup; the partitions add one or two more warpgroups and
-# the load warp (padded to a warpgroup).
+# the load warp (padded to a warpgroup), with kernels.common.max_registers of that many warpgroups.
 WARPS = 4
-
-
-def max_registers(warpgroups: int) -> int:
-    """A thread's registers in a launch of `warpgroups` warpgroups: the register file shared evenly, in
-    ptxas' steps of 8. The kernels' warp_specialize calls then share it out (setmaxnreg): 240 / 240 / 24
-    with two warpgroups beside the load warp (168 each at launch), 160 / 160 / 160 / 24 with three."""
-    return 65536 // (128 * warpgroups) // 8 * 8
 
 
 @gluon.constexpr_function

@@ -26,7 +26,6 @@ from kernels.attention.hopper import (
     WARPS,
     load_pair,
     load_parts,
-    max_registers,
     mma_layout,
     store_zeros,
     table_entry,
@@ -36,7 +35,7 @@ from kernels.attention.hopper import (
     tma_store,
 )
 from kernels.attention.tiles import program_tile
-from kernels.common import nvmma_layout
+from kernels.common import max_registers, nvmma_layout
 
 # Triton 3.6 names the barrier of a partition's threads thread_barrier; later releases barrier.
 barrier = getattr(gl, "barrier", None) or gl.thread_barrier

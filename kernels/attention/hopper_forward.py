@@ -26,7 +26,6 @@ from kernels.attention.hopper import (
     WARPS,
     first_block,
     load_parts,
-    max_registers,
     mma_layout,
     needs_mask,
     store_zeros,
@@ -36,7 +35,7 @@ from kernels.attention.hopper import (
     tma_descriptor,
     transposed_slot,
 )
-from kernels.common import sm_count
+from kernels.common import max_registers, sm_count
 
 
 @gluon.jit

@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.common import capability, nvmma_layout, sm_count
+from kernels.common import capability, max_registers, nvmma_layout, sm_count
 from kernels.fused.numerics import RMS_EPS
 
 # Triton 3.6 names the TMA copies async_copy_*; later releases async_load / async_store.
@@ -68,8 +68,8 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 BM, BN, BK, STAGES = 128, 256, 64, 3
 BK_FP8 = 128
 WARPS = 4
-# At 168 registers a thread the 384 threads hold the register file, shared out as 240 / 240 / 24.
-MAX_REGISTERS = 168
+# Two warpgroups and the load warp: 168 registers a thread, shared out as 240 / 240 / 24.
+MAX_REGISTERS = max_registers(3)
 # The epilogues.
 RELU2, RELU2_GRAD, ROPE_NORM, RESIDUAL, PLAIN = (gl.constexpr(e) for e in range(5))
 # RMSNorm's epsilon (numerics.py), a constexpr for the jit code.

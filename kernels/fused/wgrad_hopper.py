@@ -45,7 +45,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from kernels.common import sm_count
+from kernels.common import max_registers, sm_count
 from kernels.fused import gemm_hopper
 from kernels.fused.gemm_hopper import descriptor, tma_load
 
@@ -54,8 +54,8 @@ from kernels.fused.gemm_hopper import descriptor, tma_load
 # KB): 192 KB, with no output buffer (the sums are stored from registers).
 BM, BN, BK, STAGES = 128, 256, 64, 4
 WARPS = 4
-# At 168 registers a thread the 384 threads hold the register file, shared out as 240 / 240 / 24.
-MAX_REGISTERS = 168
+# Two warpgroups and the load warp: 168 registers a thread, shared out as 240 / 240 / 24.
+MAX_REGISTERS = max_registers(3)
 # Rows of a tile that one program of the reduction sums: many small programs keep more loads in flight (on
 # an H200 at [5120, 1280], 30 us with 8 rows against 47 us with 32).
 REDUCE_ROWS = 8
