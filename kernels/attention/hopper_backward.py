@@ -241,16 +241,20 @@ def _dkdv_partition(args, WG: gl.constexpr):
                 dp = warpgroup_mma(v, do.permute((1, 0)), dp, is_async=True)
             else:
                 dp = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-            s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-            p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
-            if masked and not FOLD:
-                p = gl.where(_seen(keys, qb, left, BM, query_layout), p, 0.0)
             if FOLD:
+                # With 128-query blocks the exponentials run under dP's product: 0.5-1% faster on an H200;
+                # with 64-query blocks (head dim 128) that measured 1% slower.
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+                p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
+                dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
                 ds = (p * dp).to(q_desc.dtype)
             else:
+                s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+                p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
+                if masked:
+                    p = gl.where(_seen(keys, qb, left, BM, query_layout), p, 0.0)
                 ds = (p * (dp - stats.index(2 * slot + 1).load(query_layout)[None, :])).to(q_desc.dtype)
             dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds, operand), q, dk, is_async=True)
             # dS^T of both warpgroups in shared memory, two buffers deep: a warpgroup overwrites a buffer
             # only after the other has arrived on the next one, so after its products that read it.
             buf = j % 2
@@ -259,18 +263,22 @@ def _dkdv_partition(args, WG: gl.constexpr):
             barrier()
             mbarrier.arrive(ds_bar.index(buf), count=1)
             mbarrier.wait(ds_bar.index(buf), (j // 2) & 1)
-            ds = _dq_rows(ds_smem.index(2 * buf), WG).permute((1, 0))
-            dq = warpgroup_mma(ds, k_first, zeros_q, use_acc=False, is_async=True)
-            ds = _dq_rows(ds_smem.index(2 * buf + 1), WG).permute((1, 0))
-            dq = warpgroup_mma(ds, k_second, dq, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-            mbarrier.arrive(qdo_free.index(slot), count=1)
+            dq = warpgroup_mma(_dq_rows(ds_smem.index(2 * buf), WG).permute((1, 0)), k_first, zeros_q,
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma(_dq_rows(ds_smem.index(2 * buf + 1), WG).permute((1, 0)), k_second, dq,
+                               is_async=True)
+            # dK last, so that dQ is staged for the writer while it runs (1% faster at head dim 64 than
+            # issuing dK before the exchange of dS, on an H100 and an H200).
+            dk = warpgroup_mma(gl.convert_layout(ds, operand), q, dk, is_async=True)
+            dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))
             # A staging buffer's first use waits on phase 1, which a fresh mbarrier counts as complete.
             mbarrier.wait(dq_empty.index(buf), ((j // 2) & 1) ^ 1)
             stage.index(2 * buf + WG).store(dq)
             fence_async_shared()
             barrier()
             mbarrier.arrive(dq_full.index(buf), count=1)
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+            mbarrier.arrive(qdo_free.index(slot), count=1)
             dv = warpgroup_mma_init(dv)
             dk = warpgroup_mma_init(dk)
             j += 1
@@ -392,6 +400,8 @@ def backward_dkdv(
     sums_desc = TensorDescriptor(
         sums, list(sums.shape), list(sums.stride()), box, nvmma_layout(tuple(box), torch.float32)
     )
+    # The grid runs a kv head's tiles, then the next head's: with the heads of a tile adjacent instead, the
+    # backward measured 2x slower on mix (c) of scripts/bench_attention.py (an H100).
     _dkdv_kernel[(n_tiles, k.shape[1])](
         tma_descriptor(q, blocks.m), tma_descriptor(dout, blocks.m), tma_descriptor(k, blocks.n // 2),
         tma_descriptor(v, blocks.n // 2), sums_desc, lse, delta, dk, dv, counts, n_counted, tiles, n_tiles,
