@@ -43,10 +43,11 @@ def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
             # Warp-specialised: a load warp issues TMA loads, the partitions trade registers, and a step of
             # the inner loops makes at most a couple of local-memory accesses (operand descriptors hoisted
             # out of the dK/dV loop made triton 3.6's build spill 17-25 a step). The dK/dV pass at head dim
-            # 64 holds [64, 128] S and dP beside dK and dV in 240 registers: triton 3.6's build spills none,
-            # 3.9's 18 a step on the masked blocks, against 45 or more where lse and delta are not staged.
+            # 64 holds [64, 128] S and dP beside dK and dV in 240 registers, and S's exponentials beside dP's
+            # product in flight: triton 3.6's build spills none, 3.9's 34 a step on the masked blocks (24
+            # when S and dP are awaited together), against 45 or more where lse and delta are not staged.
             assert row["tma_loads"] > 0 and row["register_moves"] > 0, where
-            bound = 24 if (row["kernel"], head_dim) == ("dkdv", 64) else 2
+            bound = 34 if (row["kernel"], head_dim) == ("dkdv", 64) else 2
             assert all(loop["spill_ops"] <= bound for loop in row["loops"]), where
         elif row["blocks"]["tma"]:
             assert row["tma_loads"] > 0, where
