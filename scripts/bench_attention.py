@@ -16,9 +16,10 @@ attention_<device>_w<W>.json, and the methods without sliding windows (the SDPA 
 TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forward (half of the full
 4 L^2 D H), 2.5 times that for the backward and 3.5 times for forward + backward; under a window, 4 D H per
 (query, key) pair the window keeps. Times are medians of
-triton.testing.do_bench; backward alone is torch.autograd.grad over a retained graph. Our times include
-building the tile tables on every call; FlexAttention's block mask and SDPA's padded copies are built
-once outside the timed region (a model builds the mask once per batch for all its layers).
+triton.testing.do_bench; backward alone is torch.autograd.grad over a retained graph. Our plan (the tile
+tables of the batch's documents), FlexAttention's block mask and SDPA's padded copies are built once
+outside the timed region, as a model builds them once per batch for all its layers; the plan's own time
+is the `plan_ms` of our rows (the table's last column), paid once per batch and window.
 `sdpa_rows` is the no-mask reference: causal SDPA over whole 2,048-token rows, as nanochat computes.
 
 The physical limit beside them: a bf16 matrix product's TFLOP/s on the same GPU (MATMUL_SIZE cubed, cuBLAS),
@@ -91,18 +92,34 @@ def make_batch(lengths, heads, head_dim, device="cuda", dtype=torch.bfloat16, se
 # takes); window -1 is unbounded causal attention, else each query sees its `window` predecessors.
 
 
+def ours_plan(q, cu, lengths, window=-1):
+    """The plan (tile tables) of the batch's documents, bounded by the longest (max_seqlen), as the model
+    makes it: once per batch and window, for all its layers' forward and backward calls."""
+    from kernels.attention import flash_attn_plan
+
+    window_size = (window, 0)
+    return flash_attn_plan(
+        cu, q.shape[0], q.shape[2], causal=True, window_size=window_size, max_seqlen=max(lengths)
+    )
+
+
 def ours(q, k, v, cu, lengths, window=-1):
-    from kernels.attention import flash_attn_plan, flash_attn_varlen
+    from kernels.attention import flash_attn_varlen
+
+    plan = ours_plan(q, cu, lengths, window)
 
     def fwd(q, k, v):
-        # As the model calls it: a plan of the batch's documents bounded by the longest (max_seqlen), made
-        # here in every call, where the model makes one per batch for all its layers.
-        plan = flash_attn_plan(
-            cu, q.shape[0], q.shape[2], causal=True, window_size=(window, 0), max_seqlen=max(lengths)
-        )
         return flash_attn_varlen(q, k, v, cu, max(lengths), causal=True, window_size=(window, 0), plan=plan)
 
     return fwd, (q, k, v)
+
+
+def plan_ms(q, cu, lengths, window=-1) -> float:
+    """Median milliseconds of making our plan, which the model pays once per batch and window (timed apart
+    from the calls, which take it made, as FlexAttention's rows take their block mask)."""
+    from triton.testing import do_bench
+
+    return do_bench(lambda: ours_plan(q, cu, lengths, window), warmup=20, rep=100, return_mode="median")
 
 
 def flex(q, k, v, cu, lengths, window=-1):
@@ -298,6 +315,8 @@ def benchmark(
                         row[f"{part}_tflops"] = round(WORK[part] * flops / t / 1e9, 1)
                     if matmul:
                         row["fwd_bwd_share_of_matmul"] = round(row["fwd_bwd_tflops"] / matmul, 3)
+                    if name == "ours":
+                        row["plan_ms"] = round(plan_ms(q, cu, lengths, window), 4)
                 print(format_row(row), flush=True)
                 rows.append(row)
                 torch.cuda.empty_cache()
@@ -423,12 +442,18 @@ def format_row(row: dict) -> str:
         return f"{head} {row['error'][:80]} |"
     cells = (f" {row[f'{k}_ms']:8.3f} | {row[f'{k}_tflops']:6.1f} |" for k in ("fwd", "bwd", "fwd_bwd"))
     share = row.get("fwd_bwd_share_of_matmul")
-    return head + "".join(cells) + (f" {share:7.1%} |" if share is not None else "       - |")
+    plan = row.get("plan_ms")
+    return (
+        head
+        + "".join(cells)
+        + (f" {share:7.1%} |" if share is not None else "       - |")
+        + (f" {plan:7.3f} |" if plan is not None else "       - |")
+    )
 
 
 TABLE_HEAD = (
     "| mix        |   D | method            |   fwd ms | TFLOPS |   bwd ms | TFLOPS |   f+b ms | TFLOPS |"
-    "  of mm |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    "  of mm | plan ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
