@@ -247,7 +247,7 @@ def _dkdv_partition(args, WG: gl.constexpr):
                 dp = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
             if FOLD:
                 # With 128-query blocks the exponentials run under dP's product: 0.5-1% faster on an H200
-                # (triton 3.6, which spills none; 3.9's build spills 34 a step on masked blocks, 24 without);
+                # (triton 3.6, which spills none; 3.9's build spills 42 a step on masked blocks, 24 without);
                 # with 64-query blocks (head dim 128) that measured 1% slower.
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
                 p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
