@@ -117,8 +117,9 @@ def gluon_signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks):
     from triton.experimental.gluon import language as gl
 
     def descriptor(name):
-        if name == "dq_desc":  # the dK/dV pass's float32 dQ columns, [64, 32] boxes
-            return f"tensordesc<fp32[64, 32],{gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32)!r}>"
+        if name == "dq_desc":  # the dK/dV pass's float32 dQ tiles, each one [32, 128] box
+            rows, cols = hopper_backward.FLAT
+            return f"tensordesc<fp32[{rows}, {cols}],{hopper_backward.FLAT_LAYOUT!r}>"
         # The forward splits its query tiles into 64-row parts, one per warpgroup, and streams key blocks;
         # the dK/dV pass splits 2 x 64-key tiles and streams query blocks.
         query_side = name in ("q_desc", "do_desc")

@@ -35,7 +35,7 @@ from kernels.attention.hopper import (
     tma_store,
 )
 from kernels.attention.tiles import program_tile
-from kernels.common import max_registers, nvmma_layout
+from kernels.common import max_registers
 
 # Triton 3.6 names the barrier of a partition's threads thread_barrier; later releases barrier.
 barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -46,6 +46,10 @@ barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # query block's share of dQ = dS K into float32 sums, in a fixed order of key tiles (so deterministically)
 
 DQ_TILE = gl.constexpr(64)  # rows and columns of each warpgroup's share of a query block's dQ
+# A dQ tile as the writer warp moves it: [32, 128] float32, in the order of the product's registers (see
+# _thread_rows), unswizzled.
+FLAT = (32, 128)
+FLAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 @gluon.jit
@@ -53,7 +57,7 @@ def _dkdv_load_partition(args):
     """One warp: K and V of the tile once, then Q and dO of each query block of each head of the group, and
     the block's lse (times log2 e) and delta beside them."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
-     ds_bar, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
+     dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
      segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     load_parts(k_desc, kv_smem, kv_bar, start, length, kv_head, c0, 0, 2)
@@ -106,6 +110,23 @@ def _bulk_wait(x):
     )
 
 
+# A named hardware barrier (Triton's own partitions use ids 0-2) for the warpgroups' exchange of dS: one
+# barrier of both, where each warpgroup's own barrier, an mbarrier arrival and a wait on it had been (1% at
+# head dim 64 on an H200, level at 128).
+DS_READY = gl.constexpr(8)
+
+
+@gluon.jit
+def _named_barrier(index, threads: gl.constexpr):
+    """Every thread of the partition waits at named barrier `index` until `threads` threads in all have."""
+    NW: gl.constexpr = gl.num_warps()
+    ids = gl.full([32 * NW], index, gl.int32, gl.BlockedLayout([1], [32], [NW], [0]))
+    counts = gl.full([32 * NW], threads, gl.int32, gl.BlockedLayout([1], [32], [NW], [0]))
+    gl.inline_asm_elementwise(
+        "bar.sync $1, $2; mov.b32 $0, $1;", "=r,r,r", [ids, counts], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
 @gluon.jit
 def _dq_writer_partition(args):
     """One warp: each step's dQ tiles of both warpgroups into the float32 sums, by TMA. The contributions to a
@@ -115,10 +136,10 @@ def _dq_writer_partition(args):
     that the `rank` tiles before it are done; the count is raised once the writes have landed. The tile
     table runs a document's last key tile first, so the tile a program waits for has already started."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
-     ds_bar, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
+     dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
      segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
     BM: gl.constexpr = q_desc.block_type.shape[2]
-    BOX: gl.constexpr = dq_desc.block_type.shape[1]
+    ROWS: gl.constexpr = dq_desc.block_type.shape[0]
     TILE: gl.constexpr = 2 * k_desc.block_type.shape[2]
     lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     zero_each = gl.zeros([32], gl.int32, lanes)
@@ -137,16 +158,27 @@ def _dq_writer_partition(args):
             if rank > 0:
                 _wait_count(Counts + at + zero_each, 32 * rank)
             for wg in gl.static_range(2):
-                for part in gl.static_range(DQ_TILE // BOX):
-                    src = stage.index(2 * buf + wg).slice(part * BOX, BOX, dim=1)
-                    if rank == 0:
-                        tma_store(dq_desc, [(2 * at + wg) * DQ_TILE, part * BOX], src)
-                    else:
-                        tma_add(dq_desc, [(2 * at + wg) * DQ_TILE, part * BOX], src)
+                src = stage.index(2 * buf + wg)
+                if rank == 0:
+                    tma_store(dq_desc, [(2 * at + wg) * ROWS, 0], src)
+                else:
+                    tma_add(dq_desc, [(2 * at + wg) * ROWS, 0], src)
             # Each lane raises the count once its own writes (the TMA's, from one of them) have landed.
             gl.atomic_add(Counts + at + _bulk_wait(zero_each), one_each, sem="release", scope="gpu")
             mbarrier.arrive(dq_empty.index(buf), count=1)
             j += 1
+
+
+@gluon.jit
+def _thread_rows(dq):
+    """A [64, 64] product's accumulator as [32, 128], so that each thread's four consecutive registers
+    are four adjacent elements and a warp's lanes cover a 512-byte row: its store to shared memory is a
+    few conflict-free 16-byte stores, where the tile itself takes twice as many 8-byte ones. Row r = 16 w +
+    8 h + i and column c = 8 g + 2 l + p of the tile (warp w, lane 4 i + l, register 4 g + 2 h + p) go to
+    row 4 g + w and column 16 i + 4 l + 2 h + p; _dq_from_sums reads them back from there."""
+    x = gl.reshape(dq, [4, 2, 8, 8, 4, 2])  # (w, h, i, g, l, p)
+    x = gl.permute(x, (3, 0, 2, 4, 1, 5))  # (g, w, i, l, h, p)
+    return gl.reshape(x, [32, 128])
 
 
 @gluon.jit
@@ -183,7 +215,7 @@ def _dkdv_partition(args, WG: gl.constexpr):
     dim 128, rows at 64), with the other warpgroup's half of dS from shared memory, handed to the writer
     warp through a staging buffer."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
-     ds_bar, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
+     dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
      segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HALF: gl.constexpr = k_desc.block_type.shape[2]
@@ -247,8 +279,8 @@ def _dkdv_partition(args, WG: gl.constexpr):
                 dp = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
             if FOLD:
                 # With 128-query blocks the exponentials run under dP's product: 0.5-1% faster on an H200
-                # (triton 3.6, which spills none; 3.9's build spills 42 a step on masked blocks, 24 without);
-                # with 64-query blocks (head dim 128) that measured 1% slower.
+                # (triton 3.6, which spills none; 3.9's build spills 30 a step on masked blocks, none on the
+                # others); with 64-query blocks (head dim 128) that measured 1% slower.
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
                 p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
                 dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
@@ -260,7 +292,7 @@ def _dkdv_partition(args, WG: gl.constexpr):
                     p = gl.where(_seen(keys, qb, left, BM, query_layout), p, 0.0)
                 ds = (p * (dp - stats.index(2 * slot + 1).load(query_layout)[None, :])).to(q_desc.dtype)
             # dS^T of both warpgroups in shared memory, two buffers deep: a warpgroup overwrites a buffer
-            # only after the other has arrived on the next one, so after its products that read it. With
+            # only after both have met at the next step's barrier, so after the other's products read it. With
             # 64-query blocks dS is stored before dV's product is issued, so that the fence that follows
             # does not wait for stores queued behind the product's issue (2% faster at head dim 128 on an
             # H200); with 128-query blocks that measured 2% slower.
@@ -271,9 +303,7 @@ def _dkdv_partition(args, WG: gl.constexpr):
             if FOLD:
                 ds_smem.index(2 * buf + WG).store(ds)
             fence_async_shared()
-            barrier()
-            mbarrier.arrive(ds_bar.index(buf), count=1)
-            mbarrier.wait(ds_bar.index(buf), (j // 2) & 1)
+            _named_barrier(DS_READY, 256)
             dq = warpgroup_mma(_dq_rows(ds_smem.index(2 * buf), WG).permute((1, 0)), k_first, zeros_q,
                                use_acc=False, is_async=True)
             dq = warpgroup_mma(_dq_rows(ds_smem.index(2 * buf + 1), WG).permute((1, 0)), k_second, dq,
@@ -284,7 +314,7 @@ def _dkdv_partition(args, WG: gl.constexpr):
             dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))
             # A staging buffer's first use waits on phase 1, which a fresh mbarrier counts as complete.
             mbarrier.wait(dq_empty.index(buf), ((j // 2) & 1) ^ 1)
-            stage.index(2 * buf + WG).store(dq)
+            stage.index(2 * buf + WG).store(_thread_rows(dq))
             fence_async_shared()
             barrier()
             mbarrier.arrive(dq_full.index(buf), count=1)
@@ -333,8 +363,7 @@ def _dkdv_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ds_smem = gl.allocate_shared_memory(k_desc.dtype, [4, HALF, BM], ds_layout)
     # Each warpgroup's dQ tile of a step, two steps deep, for the writer warp.
-    stage = gl.allocate_shared_memory(gl.float32, [4, DQ_TILE, DQ_TILE], dq_desc.layout)
-    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    stage = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # lse and delta of the query blocks in the ring, [2 * slot] and [2 * slot + 1].
@@ -343,14 +372,13 @@ def _dkdv_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(stats_ready.index(i), count=1)
     for i in gl.static_range(2):
-        mbarrier.init(ds_bar.index(i), count=2)
         mbarrier.init(dq_full.index(i), count=2)
         mbarrier.init(dq_empty.index(i), count=1)
     # The tile's keys are seen by query blocks c0 / BM .. n_q - 1: up to the one that holds its last key
     # plus the window.
     n_q = gl.cdiv(gl.minimum(c0 + 2 * HALF + left, length), BM)
     args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready,
-            qdo_free, ds_bar, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV,
+            qdo_free, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV,
             Counts, n_counted, segment, start, length, kv_head, group, c0, c0 // BM, n_q, left, T, stride_kvt,
             qk_scale, sm_scale)
     gl.warp_specialize([
@@ -380,7 +408,11 @@ def _dq_from_sums(
     # One of the two terms is 0: the tile is the column half at head dim 128, the row half at 64.
     part = (rows % BM // DQ_TILE)[:, None] + cols[None, :] // DQ_TILE
     at = 2 * (head * n_counted + first // BM + segment + qb)[:, None] + part
-    offs = (at * DQ_TILE + (rows % DQ_TILE)[:, None]).to(tl.int64) * DQ_TILE + cols[None, :] % DQ_TILE
+    # Where _thread_rows put (r, c) of the tile.
+    r = (rows % DQ_TILE)[:, None]
+    c = (cols % DQ_TILE)[None, :]
+    flat = (c // 8 * 4 + r // 16) * 128 + r % 8 * 16 + c % 8 // 2 * 4 + r % 16 // 8 * 2 + c % 2
+    offs = at.to(tl.int64) * (DQ_TILE * DQ_TILE) + flat
     acc = tl.load(Sums + offs, mask=(rows < length)[:, None] & (segment < n_docs), other=0.0)
     offs = (first + rows).to(tl.int64)[:, None] * stride_t + head * D + cols[None, :]
     tl.store(dQ + offs, (acc * sm_scale).to(dQ.dtype.element_ty), mask=(rows < length)[:, None])
@@ -402,15 +434,12 @@ def backward_dkdv(
         )
     n_tiles, n_docs = tiles.shape[1], cu_seqlens.numel() - 1
     # A count per (head, query block); block b of a document from token s is s // m + its segment + b,
-    # which no block of another document shares. Its float32 dQ sums: two [64, 64] tiles.
+    # which no block of another document shares. Its float32 dQ sums: two [64, 64] tiles, each in the order
+    # of _thread_rows.
     n_counted = T // blocks.m + n_docs + 1
     counts = torch.zeros(H * n_counted, dtype=torch.int32, device=q.device)
-    tile = DQ_TILE.value
-    sums = torch.empty(2 * counts.numel() * tile, tile, dtype=torch.float32, device=q.device)
-    box = [tile, 32]
-    sums_desc = TensorDescriptor(
-        sums, list(sums.shape), list(sums.stride()), box, nvmma_layout(tuple(box), torch.float32)
-    )
+    sums = torch.empty(2 * counts.numel() * FLAT[0], FLAT[1], dtype=torch.float32, device=q.device)
+    sums_desc = TensorDescriptor(sums, list(sums.shape), list(sums.stride()), list(FLAT), FLAT_LAYOUT)
     # The grid runs a kv head's tiles, then the next head's: with the heads of a tile adjacent instead, the
     # backward measured 2x slower on mix (c) of scripts/bench_attention.py (an H100).
     _dkdv_kernel[(n_tiles, k.shape[1])](
