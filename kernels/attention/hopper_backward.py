@@ -120,8 +120,9 @@ DS_READY = gl.constexpr(8)
 def _named_barrier(index, threads: gl.constexpr):
     """Every thread of the partition waits at named barrier `index` until `threads` threads in all have."""
     NW: gl.constexpr = gl.num_warps()
-    ids = gl.full([32 * NW], index, gl.int32, gl.BlockedLayout([1], [32], [NW], [0]))
-    counts = gl.full([32 * NW], threads, gl.int32, gl.BlockedLayout([1], [32], [NW], [0]))
+    each_thread: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    ids = gl.full([32 * NW], index, gl.int32, each_thread)
+    counts = gl.full([32 * NW], threads, gl.int32, each_thread)
     gl.inline_asm_elementwise(
         "bar.sync $1, $2; mov.b32 $0, $1;", "=r,r,r", [ids, counts], dtype=gl.int32, is_pure=False, pack=1
     )
