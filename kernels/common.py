@@ -57,6 +57,11 @@ def sm_count(device: torch.device) -> int:
     return _device_properties(device).multi_processor_count
 
 
+def l2_bytes(device: torch.device) -> int:
+    """The L2 cache of a CUDA device, in bytes (see sm_count)."""
+    return _device_properties(device).L2_cache_size
+
+
 def capability(device: torch.device) -> tuple[int, int]:
     """A CUDA device's compute capability, looked up once (see sm_count)."""
     p = _device_properties(device)

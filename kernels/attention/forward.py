@@ -120,7 +120,8 @@ def forward(
     for launch, tiles in tables:
         blocks = launch.blocks
         if blocks.gluon and right == 0 and hopper.supported(q, k, v):
-            hopper_forward.forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale, blocks, left)
+            longest = min(launch.longest, max_seqlen or T)
+            hopper_forward.forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale, blocks, left, longest)
             continue
         k_desc, v_desc = tma_descriptors(blocks, blocks.n, BLOCK_D, k, v)
         # A Gluon class's tile may hold three warpgroups' rows (192): Triton's blocks are powers of two, so

@@ -1,14 +1,20 @@
 """The forward on Hopper in Gluon: persistent and warp-specialised (see hopper.py for the partitions).
 
-One program per SM, whose load warp claims (query tile, head) items from a counter in table order and hands
-each to the warpgroups through shared memory. The next item's Q and first K/V blocks then load while the
-warpgroups finish the last one, no program pays a launch per tile or per unused entry, and claiming items
-in turn balances the SMs as the hardware's own scheduling of one program per tile does. Table order also
-keeps one document's K/V in L2 for its neighbouring tiles: a static round-robin split balanced 6-19% worse,
-and a global longest-first order loses that reuse.
+One program per SM, whose load warp claims (query tile, head) items from a counter in table order, reads the
+tile's entry of the table and hands the item over to the warpgroups through shared memory: its head, first
+token, length, first row and key blocks, so that the warpgroups start on it without a load from global
+memory of their own (3-7% faster than handing over the item's number where items are short, on the mixes of
+scripts/bench_attention.py on an H200). The next item's Q and first K/V blocks then load while the
+warpgroups finish the last one, no program pays a launch per tile or per unused entry, and claiming items in
+turn balances the SMs as the hardware's own scheduling of one program per tile does. Table order also keeps
+one document's K/V in L2 for its neighbouring tiles: a static round-robin split balanced 6-19% worse, and a
+global longest-first order loses that reuse. Where the K and V of every head of the longest documents exceed
+L2, items run in sections of heads (see _item): 4% faster on mix (c) at head dim 128, 2% at 64.
 
 A query tile holds 128 rows (two warpgroups) or 192 (three, which share each key block among more rows).
 """
+
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -35,36 +41,67 @@ from kernels.attention.hopper import (
     tma_descriptor,
     transposed_slot,
 )
-from kernels.common import max_registers, sm_count
+from kernels.common import l2_bytes, max_registers, sm_count
 
 
 @gluon.jit
-def _claim(Counter, tiles, n_tiles, H):
-    """The next work item (query tile i of the table, head h as i H + h) from the launch's counter, or -1
-    once none is left: the table's unused entries come after its tiles."""
+def _item(w, n_tiles, per):
+    """(table entry, head) of item w. Items run in sections of `per` adjacent heads (whole kv groups): a
+    section's query tiles in table order, each with the section's heads side by side, then the next
+    section's. The programs at work at one time then read the K and V of a section's heads only, which
+    forward() sizes to stay in L2."""
+    within = w % (n_tiles * per)
+    return within // per, w // (n_tiles * per) * per + within % per
+
+
+@gluon.jit
+def _claim(Counter, tiles, n_tiles, H, per):
+    """The next work item from the launch's counter, or -1 once none is left. A section's run of items ends
+    with the table's unused entries: the first of them met moves the counter on to the next section."""
     w = gl.atomic_add(Counter, 1)
-    tile = gl.minimum(w // H, n_tiles - 1)
-    live = (w < n_tiles * H) & (gl.load(tiles + tile) >= 0)
+    if per < H:
+        while (w < n_tiles * H) & (gl.load(tiles + _item(w, n_tiles, per)[0]) < 0):
+            gl.atomic_max(Counter, (w // (n_tiles * per) + 1) * (n_tiles * per))
+            w = gl.atomic_add(Counter, 1)
+    live = (w < n_tiles * H) & (gl.load(tiles + _item(w, n_tiles, per)[0]) >= 0)
     return gl.where(live, w, -1)
 
 
+# An item as the load warp hands it over: its head (-1: none left) and its table entry.
+FIELDS = gl.constexpr(8)
+
+
 @gluon.jit
-def _hand_over(items, item_ready, item_free, i, w):
-    """Load warp: item w into slot i % 2 of the two-slot item ring that the warpgroups read."""
+def _hand_over(items, item_ready, item_free, i, head, start, length, r0, n_blocks):
+    """Load warp: the i-th item into slot i % 2 of the two-slot item ring that the warpgroups read."""
     slot = i % 2
+    layout: gl.constexpr = gl.BlockedLayout([FIELDS], [32], [1], [0])
+    k = gl.arange(0, FIELDS, layout=layout)
+    fields = gl.where(
+        k == 0, head, gl.where(k == 1, start, gl.where(k == 2, length, gl.where(k == 3, r0, n_blocks))))
     mbarrier.wait(item_free.index(slot), ((i // 2) & 1) ^ 1)
-    items.index(slot).store(gl.full([1], w, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    items.index(slot).store(fields)
     mbarrier.arrive(item_ready.index(slot), count=1)
 
 
 @gluon.jit
+def _field(fields, k, n: gl.constexpr):
+    """Field n of an item, which every thread holds whole: a selection among its own registers."""
+    return gl.sum(gl.where(k == n, fields, 0), 0)
+
+
+@gluon.jit
 def _take_over(items, item_ready, item_free, i):
-    """Warpgroup: the i-th item the load warp handed over."""
+    """Warpgroup: (head, first token, length, first row, key blocks) of the i-th item the load warp handed
+    over."""
     slot = i % 2
+    layout: gl.constexpr = gl.BlockedLayout([FIELDS], [32], [4], [0])
     mbarrier.wait(item_ready.index(slot), (i // 2) & 1)
-    w = gl.max(items.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+    fields = items.index(slot).load(layout)
     mbarrier.arrive(item_free.index(slot), count=1)
-    return w
+    k = gl.arange(0, FIELDS, layout=layout)
+    return _field(fields, k, 0), _field(fields, k, 1), _field(fields, k, 2), _field(fields, k, 3), _field(
+        fields, k, 4)
 
 
 @gluon.jit
@@ -73,20 +110,20 @@ def _load_partition(args):
     are done with the last one, then K and V of each key block."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
      item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
-     qk_scale, left) = args
+     per, qk_scale, left) = args
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     PARTS: gl.constexpr = q_smem.type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[2]
     j = 0  # K/V pairs through the ring
     n_q = 0  # Q tiles loaded
     i = 0  # items handed over
-    w = _claim(Counter, tiles, n_tiles, H)
+    w = _claim(Counter, tiles, n_tiles, H, per)
     while w >= 0:
-        _hand_over(items, item_ready, item_free, i, w)
-        segment, start, length, r0, n_blocks = table_entry(
-            w // H, tiles, n_tiles, cu_seqlens, n_docs, T, PARTS * ROWS, BN
+        tile, head = _item(w, n_tiles, per)
+        _, start, length, r0, n_blocks = table_entry(
+            tile, tiles, n_tiles, cu_seqlens, n_docs, T, PARTS * ROWS, BN
         )
-        head = w % H
+        _hand_over(items, item_ready, item_free, i, head, start, length, r0, n_blocks)
         if n_blocks > 0:
             mbarrier.wait(q_free, (n_q & 1) ^ 1)
             mbarrier.expect(q_bar, PARTS * q_desc.block_type.nbytes)
@@ -97,8 +134,8 @@ def _load_partition(args):
             )
             n_q += 1
         i += 1
-        w = _claim(Counter, tiles, n_tiles, H)
-    _hand_over(items, item_ready, item_free, i, -1)
+        w = _claim(Counter, tiles, n_tiles, H, per)
+    _hand_over(items, item_ready, item_free, i, -1, 0, 0, 0, 0)
 
 
 @gluon.jit
@@ -106,20 +143,15 @@ def _softmax_partition(args, WG: gl.constexpr):
     """One warpgroup: rows 64 WG .. 64 WG + 63 of each item the load warp hands over."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
      item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
-     qk_scale, left) = args
+     per, qk_scale, left) = args
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
-    PARTS: gl.constexpr = q_smem.type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
     j = 0
     n_q = 0
     i = 0
-    w = _take_over(items, item_ready, item_free, i)
-    while w >= 0:
-        segment, start, length, r0, n_blocks = table_entry(
-            w // H, tiles, n_tiles, cu_seqlens, n_docs, T, PARTS * ROWS, BN
-        )
-        head = w % H
+    head, start, length, r0, n_blocks = _take_over(items, item_ready, item_free, i)
+    while head >= 0:
         if n_blocks == 0:
             _store_empty(Out, Lse, start, head, stride_ot, T, r0 + WG * ROWS, length, ROWS, D)
         else:
@@ -129,7 +161,7 @@ def _softmax_partition(args, WG: gl.constexpr):
             j += n_blocks - lo
             n_q += 1
         i += 1
-        w = _take_over(items, item_ready, item_free, i)
+        head, start, length, r0, n_blocks = _take_over(items, item_ready, item_free, i)
 
 
 @gluon.jit
@@ -245,15 +277,15 @@ def _third_softmax_partition(args):
 
 @gluon.jit
 def _fwd_persistent_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group, qk_scale,
-    left, Counter, STAGES: gl.constexpr, PARTS: gl.constexpr,
+    q_desc, k_desc, v_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group, per,
+    qk_scale, left, Counter, STAGES: gl.constexpr, PARTS: gl.constexpr,
 ):
     """Persistent: each program runs items (query tile, head) claimed from Counter until none is left."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [PARTS] + q_desc.block_type.shape, q_desc.layout)
     k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = tile_ring(k_desc, v_desc, STAGES, PARTS)
     q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_free, count=PARTS)
-    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    items = gl.allocate_shared_memory(gl.int32, [2, FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -262,7 +294,7 @@ def _fwd_persistent_kernel(
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
             item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H,
-            group, qk_scale, left)
+            group, per, qk_scale, left)
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (args, 0)),
@@ -288,9 +320,22 @@ def _store_empty(Out, Lse, start, head, stride_ot, T, r0, q_len, BM: gl.constexp
     gl.store(Lse + head * T + start + rows, minus_inf, mask=rows < q_len)
 
 
-def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks, left: int) -> None:
+@functools.cache
+def section_heads(H_kv: int, group: int, keys: int, D: int, itemsize: int, cache_bytes: int) -> int:
+    """Heads per section of the item order (see _item): whole kv groups, as many as divide the kv heads and
+    whose K and V of `keys` keys fill at most half of L2, so that the section's K and V stay there beside
+    the streams of Q and out."""
+    per_kv_head = 2 * keys * D * itemsize
+    fits = max(1, cache_bytes // 2 // per_kv_head)
+    return group * max(c for c in range(1, H_kv + 1) if H_kv % c == 0 and c <= fits)
+
+
+def forward(
+    q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks, left: int, max_seqlen: int
+) -> None:
     """Writes out [T, H, D] and lse [H, T] (as forward.py's kernel) for the query tiles of `tiles`, whose
-    blocks are blocks.m rows, causal with query i seeing keys i - left .. i (left >= T: the whole past)."""
+    blocks are blocks.m rows, causal with query i seeing keys i - left .. i (left >= T: the whole past), in
+    documents of at most max_seqlen tokens."""
     T, H, D = q.shape
     if blocks.n != 128 or blocks.m not in (128, 192) or blocks.warps != blocks.m // 16:
         raise ValueError(
@@ -298,12 +343,16 @@ def forward(q, k, v, out, lse, tiles, cu_seqlens, softmax_scale: float, blocks, 
         )
     parts = blocks.m // 64
     n_tiles = tiles.shape[1]
+    H_kv = k.shape[1]
+    # The keys a query tile reads: its document's up to it, or its window's.
+    keys = min(max_seqlen, left + blocks.m)
+    per = section_heads(H_kv, H // H_kv, keys, D, k.element_size(), l2_bytes(q.device))
     # One program per SM (up to 224 KB of shared memory each), and a fresh counter of claimed items.
     programs = min(n_tiles * H, sm_count(q.device))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _fwd_persistent_kernel[(programs,)](
         tma_descriptor(q, 64), tma_descriptor(k, blocks.n), tma_descriptor(v, blocks.n), out, lse,
-        tiles, n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H, H // k.shape[1],
+        tiles, n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H, H // H_kv, per,
         softmax_scale * LOG2E.value, left, counter, STAGES=blocks.stages, PARTS=parts, num_warps=WARPS,
         maxnreg=max_registers(parts + 1),
     )

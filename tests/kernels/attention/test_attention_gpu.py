@@ -6,12 +6,19 @@ Run on a CUDA machine: python -m pytest -m gpu tests/kernels/attention/test_atte
 import pytest
 import torch
 
-from kernels.attention import attention_reference, flash_attn_plan, flash_attn_varlen, hopper, plan
+from kernels.attention import (
+    attention_reference,
+    flash_attn_plan,
+    flash_attn_varlen,
+    hopper,
+    hopper_forward,
+    plan,
+)
 from kernels.attention import backward as backward_module
 from kernels.attention.backward import backward
 from kernels.attention.forward import forward
 from kernels.attention.op import flash_attn_varlen_fwd
-from kernels.common import INTERPRET
+from kernels.common import INTERPRET, l2_bytes
 from scripts.bench_attention import document_lengths
 from tests.kernels.attention.poison import poison_new_buffers
 
@@ -209,7 +216,8 @@ def test_gluon_kernels_agree_with_triton_kernels(dtype, left, d, monkeypatch):
     with GQA, over the whole past and causal windows (one shorter than a key block, so that some
     blocks hold no key of some rows): the forward and dV are the same sums in the same order (bitwise
     equal); the dQ pass sums delta in another order, so dQ and dK agree to rounding. A tail of 3,000 tokens
-    past the last document."""
+    past the last document. Over the whole past the forward's items run in sections of one kv group (no
+    max_seqlen bounds the keys); with an L2 as large as every head's K and V, in one: the same outputs."""
     lengths = [9000, 2049, 30000, 100, 4500, 17000, 2047]
     q, k, v, cu = make_inputs(lengths, 16, 4, d, dtype)
     cu = cu[:-1].contiguous()
@@ -222,6 +230,11 @@ def test_gluon_kernels_agree_with_triton_kernels(dtype, left, d, monkeypatch):
 
     gluon, again = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(gluon, again, strict=True))
+    assert hopper_forward.section_heads(4, 4, T, d, 2, l2_bytes(q.device)) == 4
+    with monkeypatch.context() as patch:
+        patch.setattr(hopper_forward, "l2_bytes", lambda device: 1 << 40)
+        one_section = forward(q, k, v, cu, left, 0, d**-0.5)
+    assert torch.equal(gluon[0], one_section[0]) and torch.equal(gluon[1], one_section[1])
     monkeypatch.setattr(hopper, "supported", lambda *tensors: False)
     triton_ = run()
     assert torch.equal(gluon[0], triton_[0]) and torch.equal(gluon[1], triton_[1])
