@@ -15,6 +15,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -27,6 +28,7 @@ from kernels.attention.hopper import (
     load_pair,
     load_parts,
     mma_layout,
+    ragged_row,
     store_zeros,
     table_entry,
     tile_ring,
@@ -57,8 +59,8 @@ def _dkdv_load_partition(args):
     """One warp: K and V of the tile once, then Q and dO of each query block of each head of the group, and
     the block's lse (times log2 e) and delta beside them."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
-     dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
-     segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
+     dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dk_desc, dv_desc, Counts, n_counted,
+     segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, qk_scale, sm_scale) = args
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     load_parts(k_desc, kv_smem, kv_bar, start, length, kv_head, c0, 0, 2)
     load_parts(v_desc, kv_smem, kv_bar, start, length, kv_head, c0, 2, 2)
@@ -114,6 +116,8 @@ def _bulk_wait(x):
 # barrier of both, where each warpgroup's own barrier, an mbarrier arrival and a wait on it had been (1% at
 # head dim 64 on an H200, level at 128).
 DS_READY = gl.constexpr(8)
+# Both warpgroups past their last products, before K's and V's slots take dK and dV.
+KV_DONE = gl.constexpr(9)
 
 
 @gluon.jit
@@ -137,8 +141,8 @@ def _dq_writer_partition(args):
     that the `rank` tiles before it are done; the count is raised once the writes have landed. The tile
     table runs a document's last key tile first, so the tile a program waits for has already started."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
-     dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
-     segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
+     dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dk_desc, dv_desc, Counts, n_counted,
+     segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, qk_scale, sm_scale) = args
     BM: gl.constexpr = q_desc.block_type.shape[2]
     ROWS: gl.constexpr = dq_desc.block_type.shape[0]
     TILE: gl.constexpr = 2 * k_desc.block_type.shape[2]
@@ -216,8 +220,8 @@ def _dkdv_partition(args, WG: gl.constexpr):
     dim 128, rows at 64), with the other warpgroup's half of dS from shared memory, handed to the writer
     warp through a staging buffer."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
-     dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV, Counts, n_counted,
-     segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, stride_kvt, qk_scale, sm_scale) = args
+     dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dk_desc, dv_desc, Counts, n_counted,
+     segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, qk_scale, sm_scale) = args
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
@@ -280,7 +284,7 @@ def _dkdv_partition(args, WG: gl.constexpr):
                 dp = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
             if FOLD:
                 # With 128-query blocks the exponentials run under dP's product: 0.5-1% faster on an H200
-                # (triton 3.6, which spills none; 3.9's build spills 30 a step on masked blocks, none on the
+                # (triton 3.6, which spills none; 3.9's build spills 56 a step on masked blocks, 4 on the
                 # others); with 64-query blocks (head dim 128) that measured 1% slower.
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
                 p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
@@ -326,12 +330,21 @@ def _dkdv_partition(args, WG: gl.constexpr):
             j += 1
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
 
-    rows = first_key + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_d))
-    cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, mma_d))
-    offs = (start + rows).to(gl.int64)[:, None] * stride_kvt + kv_head * D + cols_d[None, :]
-    inside = (rows < length)[:, None]
-    gl.store(dK + offs, (dk * sm_scale).to(dK.dtype.element_ty), mask=inside)
-    gl.store(dV + offs, dv.to(dV.dtype.element_ty), mask=inside)
+    # dK and dV leave through the slots of K and V by TMA, once neither warpgroup's products read those:
+    # whole rows, where stores from the products' registers write 16 bytes of a row at a time. On an H200
+    # the backward measured 4-8% faster on mixes (a) and (b) of scripts/bench_attention.py, level on (c)
+    # at head dim 128 and 1% slower there at 64.
+    _named_barrier(KV_DONE, 256)
+    dk_out = kv_smem.index(WG)
+    dv_out = kv_smem.index(2 + WG)
+    dk_out.reshape([HALF, D]).store((dk * sm_scale).to(k_desc.dtype))
+    dv_out.reshape([HALF, D]).store(dv.to(v_desc.dtype))
+    fence_async_shared()
+    barrier()
+    a, b, c = ragged_row(start, length, first_key)
+    tma_store(dk_desc, [a, b, c, kv_head, 0], dk_out)
+    tma_store(dv_desc, [a, b, c, kv_head, 0], dv_out)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -341,8 +354,8 @@ def _dkdv_second_partition(args):
 
 @gluon.jit
 def _dkdv_kernel(
-    q_desc, do_desc, k_desc, v_desc, dq_desc, Lse, Delta, dK, dV, Counts, n_counted, tiles, n_tiles,
-    cu_seqlens, n_docs, T, stride_kvt, group, qk_scale, sm_scale, left, STAGES: gl.constexpr,
+    q_desc, do_desc, k_desc, v_desc, dq_desc, Lse, Delta, dk_desc, dv_desc, dK, dV, Counts, n_counted, tiles,
+    n_tiles, cu_seqlens, n_docs, T, stride_kvt, group, qk_scale, sm_scale, left, STAGES: gl.constexpr,
 ):
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HALF: gl.constexpr = k_desc.block_type.shape[2]
@@ -379,9 +392,9 @@ def _dkdv_kernel(
     # plus the window.
     n_q = gl.cdiv(gl.minimum(c0 + 2 * HALF + left, length), BM)
     args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready,
-            qdo_free, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dK, dV,
-            Counts, n_counted, segment, start, length, kv_head, group, c0, c0 // BM, n_q, left, T, stride_kvt,
-            qk_scale, sm_scale)
+            qdo_free, dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dk_desc, dv_desc,
+            Counts, n_counted, segment, start, length, kv_head, group, c0, c0 // BM, n_q, left, T, qk_scale,
+            sm_scale)
     gl.warp_specialize([
         (_dkdv_partition, (args, 0)),
         (_dkdv_second_partition, (args, )),
@@ -445,7 +458,8 @@ def backward_dkdv(
     # backward measured 2x slower on mix (c) of scripts/bench_attention.py (an H100).
     _dkdv_kernel[(n_tiles, k.shape[1])](
         tma_descriptor(q, blocks.m), tma_descriptor(dout, blocks.m), tma_descriptor(k, blocks.n // 2),
-        tma_descriptor(v, blocks.n // 2), sums_desc, lse, delta, dk, dv, counts, n_counted, tiles, n_tiles,
+        tma_descriptor(v, blocks.n // 2), sums_desc, lse, delta, tma_descriptor(dk, blocks.n // 2),
+        tma_descriptor(dv, blocks.n // 2), dk, dv, counts, n_counted, tiles, n_tiles,
         cu_seqlens, n_docs, T, dk.stride(0), H // k.shape[1], softmax_scale * LOG2E.value, softmax_scale,
         left, STAGES=blocks.stages, num_warps=WARPS, maxnreg=max_registers(3),
     )
