@@ -65,6 +65,7 @@ def _dkdv_load_partition(args):
     load_parts(k_desc, kv_smem, kv_bar, start, length, kv_head, c0, 0, 2)
     load_parts(v_desc, kv_smem, kv_bar, start, length, kv_head, c0, 2, 2)
     BM: gl.constexpr = q_desc.block_type.shape[2]
+    HALF: gl.constexpr = k_desc.block_type.shape[2]
     lanes: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
     j = 0
     for h in range(group):
@@ -84,6 +85,12 @@ def _dkdv_load_partition(args):
             barrier()
             mbarrier.arrive(stats_ready.index(slot), count=1)
             j += 1
+    _named_barrier(KV_OUT, 288)
+    for part in gl.static_range(2):
+        a, b, c = ragged_row(start, length, c0 + part * HALF)
+        tma_store(dk_desc, [a, b, c, kv_head, 0], kv_smem.index(part))
+        tma_store(dv_desc, [a, b, c, kv_head, 0], kv_smem.index(2 + part))
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -118,18 +125,32 @@ def _bulk_wait(x):
 DS_READY = gl.constexpr(8)
 # Both warpgroups past their last products, before K's and V's slots take dK and dV.
 KV_DONE = gl.constexpr(9)
+# dK and dV of both warpgroups in K's and V's slots (256 threads arrive) for the load warp's TMA stores.
+KV_OUT = gl.constexpr(10)
 
 
 @gluon.jit
-def _named_barrier(index, threads: gl.constexpr):
-    """Every thread of the partition waits at named barrier `index` until `threads` threads in all have."""
+def _on_barrier(op: gl.constexpr, index, threads: gl.constexpr):
+    """`op` (bar.sync or bar.arrive) on named barrier `index` by every thread of the partition."""
     NW: gl.constexpr = gl.num_warps()
     each_thread: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     ids = gl.full([32 * NW], index, gl.int32, each_thread)
     counts = gl.full([32 * NW], threads, gl.int32, each_thread)
     gl.inline_asm_elementwise(
-        "bar.sync $1, $2; mov.b32 $0, $1;", "=r,r,r", [ids, counts], dtype=gl.int32, is_pure=False, pack=1
+        op + " $1, $2; mov.b32 $0, $1;", "=r,r,r", [ids, counts], dtype=gl.int32, is_pure=False, pack=1
     )
+
+
+@gluon.jit
+def _named_barrier(index, threads: gl.constexpr):
+    """Every thread of the partition waits at named barrier `index` until `threads` threads in all have."""
+    _on_barrier("bar.sync", index, threads)
+
+
+@gluon.jit
+def _named_arrive(index, threads: gl.constexpr):
+    """Every thread of the partition counts towards named barrier `index` and goes on without waiting."""
+    _on_barrier("bar.arrive", index, threads)
 
 
 @gluon.jit
@@ -332,19 +353,14 @@ def _dkdv_partition(args, WG: gl.constexpr):
 
     # dK and dV leave through the slots of K and V by TMA, once neither warpgroup's products read those:
     # whole rows, where stores from the products' registers write 16 bytes of a row at a time. On an H200
-    # the backward measured 4-8% faster on mixes (a) and (b) of scripts/bench_attention.py, level on (c)
-    # at head dim 128 and 1% slower there at 64.
+    # the backward measured 4-8% faster on mixes (a) and (b) of scripts/bench_attention.py. The load warp
+    # issues the stores and waits for them, so that the warpgroups hold no descriptors or row arithmetic
+    # for it: 1-2% faster at head dim 64 than the warpgroups storing their own halves, level at 128.
     _named_barrier(KV_DONE, 256)
-    dk_out = kv_smem.index(WG)
-    dv_out = kv_smem.index(2 + WG)
-    dk_out.reshape([HALF, D]).store((dk * sm_scale).to(k_desc.dtype))
-    dv_out.reshape([HALF, D]).store(dv.to(v_desc.dtype))
+    kv_smem.index(WG).reshape([HALF, D]).store((dk * sm_scale).to(k_desc.dtype))
+    kv_smem.index(2 + WG).reshape([HALF, D]).store(dv.to(v_desc.dtype))
     fence_async_shared()
-    barrier()
-    a, b, c = ragged_row(start, length, first_key)
-    tma_store(dk_desc, [a, b, c, kv_head, 0], dk_out)
-    tma_store(dv_desc, [a, b, c, kv_head, 0], dv_out)
-    tma.store_wait(0)
+    _named_arrive(KV_OUT, 288)
 
 
 @gluon.jit
