@@ -120,9 +120,9 @@ def gluon_signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks):
         if name == "dq_desc":  # the dK/dV pass's float32 dQ tiles, each one [32, 128] box
             rows, cols = hopper_backward.FLAT
             return f"tensordesc<fp32[{rows}, {cols}],{hopper_backward.FLAT_LAYOUT!r}>"
-        # The forward splits its query tiles into 64-row parts, one per warpgroup, and streams key blocks;
-        # the dK/dV pass splits 2 x 64-key tiles and streams query blocks.
-        query_side = name in ("q_desc", "do_desc")
+        # The forward splits its query tiles (and out) into 64-row parts, one per warpgroup, and streams key
+        # blocks; the dK/dV pass splits 2 x 64-key tiles (and dK, dV) and streams query blocks.
+        query_side = name in ("q_desc", "do_desc", "o_desc")
         if kernel == "dkdv":
             rows = blocks.m if query_side else blocks.n // 2
         else:

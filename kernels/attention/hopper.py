@@ -43,6 +43,8 @@ def _tma_add_36(tensor_desc, coord, src, _semantic=None):
 tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 # Triton 3.6 names the TMA store async_copy_shared_to_global; later releases async_store.
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# Triton 3.6 names the barrier of a partition's threads thread_barrier; later releases barrier.
+barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 HEAD_DIMS = (64, 128)

@@ -25,6 +25,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.attention.hopper import (
     LOG2E,
     WARPS,
+    barrier,
     load_pair,
     load_parts,
     mma_layout,
@@ -38,9 +39,6 @@ from kernels.attention.hopper import (
 )
 from kernels.attention.tiles import program_tile
 from kernels.common import max_registers
-
-# Triton 3.6 names the barrier of a partition's threads thread_barrier; later releases barrier.
-barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # ----------------------------------------------------------------------------------------------------------
 # dK, dV and dQ: one program per (128-key tile, kv head); each warpgroup owns 64 of its keys

@@ -20,7 +20,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -30,15 +32,18 @@ from kernels.attention.hopper import (
     LN2,
     LOG2E,
     WARPS,
+    barrier,
     first_block,
     load_parts,
     mma_layout,
     needs_mask,
+    ragged_row,
     store_zeros,
     stream_pairs,
     table_entry,
     tile_ring,
     tma_descriptor,
+    tma_store,
     transposed_slot,
 )
 from kernels.common import l2_bytes, max_registers, sm_count
@@ -108,7 +113,7 @@ def _take_over(items, item_ready, item_free, i):
 def _load_partition(args):
     """One warp: claims the items; for each, hands it to the warpgroups, loads its Q once the warpgroups
     are done with the last one, then K and V of each key block."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
      item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
      per, qk_scale, left) = args
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -141,7 +146,7 @@ def _load_partition(args):
 @gluon.jit
 def _softmax_partition(args, WG: gl.constexpr):
     """One warpgroup: rows 64 WG .. 64 WG + 63 of each item the load warp hands over."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
      item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
      per, qk_scale, left) = args
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -156,8 +161,8 @@ def _softmax_partition(args, WG: gl.constexpr):
             _store_empty(Out, Lse, start, head, stride_ot, T, r0 + WG * ROWS, length, ROWS, D)
         else:
             lo = first_block(r0, left, BN)
-            _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length,
-                    head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j, n_q, WG)
+            _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start,
+                    length, head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j, n_q, WG)
             j += n_blocks - lo
             n_q += 1
         i += 1
@@ -165,8 +170,8 @@ def _softmax_partition(args, WG: gl.constexpr):
 
 
 @gluon.jit
-def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length, head,
-            r0, lo, n_blocks, left, T, stride_ot, qk_scale, j0, n_q, WG: gl.constexpr):
+def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length,
+            head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j0, n_q, WG: gl.constexpr):
     """Online softmax of the warpgroup's 64 rows of the query tile from row r0 over the key blocks they see,
     then out and lse. The tile's blocks lo .. n_blocks - 1 are ring entries j0..; the warpgroup releases
     those its rows do not see (before their window, or after their diagonal in a tile of three warpgroups)
@@ -181,6 +186,12 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma)
     o_rows: gl.constexpr = gl.SliceLayout(1, mma_o)
+    # At head dim 128 out leaves by TMA through the warpgroup's slot of Q, once its products no longer read
+    # it (whole rows, cut at the document's end by the descriptor), and the next item's Q loads after that;
+    # stored from the products' registers instead, the next Q loads under the last P V. On an H200 the TMA
+    # store measured 3% faster on mixes (a) and (b) of scripts/bench_attention.py and level on (c) at head
+    # dim 128, and 1-1.5% slower on (a) and (b) at 64.
+    OUT_BY_TMA: gl.constexpr = D == 128
 
     first = r0 + WG * ROWS
     rows = first + gl.arange(0, ROWS, layout=row_layout)
@@ -225,8 +236,9 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_free.index(prev), count=1)
         acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_rows)[:, None])
-    # Every product that reads Q is done: the load warp may bring the next item's.
-    mbarrier.arrive(q_free, count=1)
+    if not OUT_BY_TMA:
+        # Every product that reads Q is done: the load warp may bring the next item's.
+        mbarrier.arrive(q_free, count=1)
     last = (j0 + count - 1) % NS
     mbarrier.wait(v_ready.index(last), ((j0 + count - 1) // NS) & 1)
     acc = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), acc, is_async=True)
@@ -235,12 +247,23 @@ def _attend(q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Ou
     _release(k_ready, v_ready, kv_free, j0 + count, n_blocks - own_hi)
 
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
-    out_rows = gl.convert_layout(rows, o_rows)
-    cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
-    offs = (start + out_rows).to(gl.int64)[:, None] * stride_ot + head * D + cols_d[None, :]
-    gl.store(Out + offs, out.to(Out.dtype.element_ty), mask=(out_rows < length)[:, None])
+    if OUT_BY_TMA:
+        q.store(out.to(q_smem.dtype))
+        fence_async_shared()
+        barrier()
+        a, b, c = ragged_row(start, length, first)
+        tma_store(o_desc, [a, b, c, head, 0], q_smem.index(WG))
+    else:
+        out_rows = gl.convert_layout(rows, o_rows)
+        cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
+        offs = (start + out_rows).to(gl.int64)[:, None] * stride_ot + head * D + cols_d[None, :]
+        gl.store(Out + offs, out.to(Out.dtype.element_ty), mask=(out_rows < length)[:, None])
     lse = (m_i + gl.log2(l_i)) * LN2
     gl.store(Lse + head * T + start + rows, lse, mask=rows < length)
+    if OUT_BY_TMA:
+        # Out has left Q's slot: the load warp may bring the next item's Q.
+        tma.store_wait(0)
+        mbarrier.arrive(q_free, count=1)
 
 
 @gluon.jit
@@ -277,7 +300,7 @@ def _third_softmax_partition(args):
 
 @gluon.jit
 def _fwd_persistent_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group, per,
+    q_desc, k_desc, v_desc, o_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group, per,
     qk_scale, left, Counter, STAGES: gl.constexpr, PARTS: gl.constexpr,
 ):
     """Persistent: each program runs items (query tile, head) claimed from Counter until none is left."""
@@ -292,9 +315,9 @@ def _fwd_persistent_kernel(
         mbarrier.init(item_ready.index(i), count=1)
         mbarrier.init(item_free.index(i), count=PARTS)
 
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
-            item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H,
-            group, per, qk_scale, left)
+    args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free,
+            items, item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot,
+            H, group, per, qk_scale, left)
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (args, 0)),
@@ -351,8 +374,9 @@ def forward(
     programs = min(n_tiles * H, sm_count(q.device))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _fwd_persistent_kernel[(programs,)](
-        tma_descriptor(q, 64), tma_descriptor(k, blocks.n), tma_descriptor(v, blocks.n), out, lse,
-        tiles, n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T, out.stride(0), H, H // H_kv, per,
+        tma_descriptor(q, 64), tma_descriptor(k, blocks.n), tma_descriptor(v, blocks.n),
+        tma_descriptor(out, 64), out, lse, tiles, n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T,
+        out.stride(0), H, H // H_kv, per,
         softmax_scale * LOG2E.value, left, counter, STAGES=blocks.stages, PARTS=parts, num_warps=WARPS,
         maxnreg=max_registers(parts + 1),
     )
