@@ -8,7 +8,8 @@ The partitions of a program:
 - warpgroups own 64 of the tile's rows each: two, or three in a forward of 192-row query tiles. They wait
   only on their slot's mbarriers, never on a CTA-wide barrier (triton's own pipeliner puts one around
   every TMA issue). In the forward each issues the next key block's products before the current block's
-  exponentials, so those run under a product (FlashAttention-3's overlap within a warpgroup);
+  softmax (FlashAttention-3's overlap within a warpgroup; see hopper_forward._attend for what ptxas makes
+  of it);
 - in the dK/dV pass, a writer warp that adds each query block's share of dQ into float32 sums by TMA.
 Head dim 64 or 128, causal, over the whole past or a window of the last `left` keys: a query tile visits the
 key blocks from its window's first one (`first_block`) to the diagonal, a key tile the query blocks from the

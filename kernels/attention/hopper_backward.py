@@ -302,9 +302,10 @@ def _dkdv_partition(args, WG: gl.constexpr):
             else:
                 dp = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
             if FOLD:
-                # With 128-query blocks the exponentials run under dP's product: 0.5-1% faster on an H200
-                # (triton 3.6, which spills none; 3.9's build spills 56 a step on masked blocks, 4 on the
-                # others); with 64-query blocks (head dim 128) that measured 1% slower.
+                # With 128-query blocks the exponentials are placed under dP's product: 0.5-1% faster on an
+                # H200 (triton 3.6, which spills none; 3.9's build spills 22 a step on masked blocks, none on
+                # the others); with 64-query blocks (head dim 128) that measured 1% slower. ptxas still runs
+                # about 50 of the 64 after dP's wait, which it moves up.
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
                 p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
                 dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
