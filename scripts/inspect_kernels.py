@@ -133,6 +133,7 @@ def gluon_signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks):
     constants = dict(STAGES=blocks.stages, HAS_DLSE=False)
     if kernel == "fwd":
         constants["PARTS"] = blocks.m // 64
+        constants["OUT"] = hopper_forward.out_path(head_dim, blocks.m // 64)
     return _signature(fn, constants, descriptor)
 
 

@@ -72,6 +72,30 @@ def _claim(Counter, tiles, n_tiles, H, per):
     return gl.where(live, w, -1)
 
 
+# How out leaves the warpgroups: stored from the products' registers, or by TMA through the warpgroup's slot
+# of Q (once its products no longer read it; the next item's Q then loads after the store has read the
+# slot) or through a slot of its own (the next Q loads under the last P V, as with registers). The TMA
+# store writes whole rows, cut at the document's end by the descriptor. On an H200, against registers: at
+# head dim 128 Q's slot measured 3% faster on mixes (a) and (b) of scripts/bench_attention.py and level on
+# (c); at 64, whose 128-row tiles leave the shared memory room for slots of out's own, Q's slot measured
+# 1-1.5% slower on (a) and (b) and out's own slots 3% faster on (a), 1.5% on (b), level on (c).
+OUT_REGISTERS = gl.constexpr(0)
+OUT_Q_SLOT = gl.constexpr(1)
+OUT_OWN_SLOT = gl.constexpr(2)
+
+
+@gluon.constexpr_function
+def _slots_per_part(out):
+    """Slots of the Q buffer per warpgroup: Q's, and out's where it has its own."""
+    return 2 if out == OUT_OWN_SLOT.value else 1
+
+
+@gluon.constexpr_function
+def _out_slot(wg, slots, out):
+    """The slot of the Q buffer through which warpgroup wg's out leaves: its own after Q's, else Q's."""
+    return wg + slots // 2 if out == OUT_OWN_SLOT.value else wg
+
+
 # An item as the load warp hands it over: its head (-1: none left) and its table entry.
 FIELDS = gl.constexpr(8)
 
@@ -110,14 +134,14 @@ def _take_over(items, item_ready, item_free, i):
 
 
 @gluon.jit
-def _load_partition(args):
+def _load_partition(args, OUT: gl.constexpr):
     """One warp: claims the items; for each, hands it to the warpgroups, loads its Q once the warpgroups
     are done with the last one, then K and V of each key block."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
-     item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
-     per, qk_scale, left) = args
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free,
+     items, item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H,
+     group, per, qk_scale, left) = args
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
-    PARTS: gl.constexpr = q_smem.type.shape[0]
+    PARTS: gl.constexpr = q_smem.type.shape[0] // _slots_per_part(OUT)
     BN: gl.constexpr = k_desc.block_type.shape[2]
     j = 0  # K/V pairs through the ring
     n_q = 0  # Q tiles loaded
@@ -144,11 +168,11 @@ def _load_partition(args):
 
 
 @gluon.jit
-def _softmax_partition(args, WG: gl.constexpr):
+def _softmax_partition(args, WG: gl.constexpr, OUT: gl.constexpr):
     """One warpgroup: rows 64 WG .. 64 WG + 63 of each item the load warp hands over."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, items,
-     item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group,
-     per, qk_scale, left) = args
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free,
+     items, item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H,
+     group, per, qk_scale, left) = args
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BN: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = k_desc.block_type.shape[4]
@@ -161,17 +185,20 @@ def _softmax_partition(args, WG: gl.constexpr):
             _store_empty(Out, Lse, start, head, stride_ot, T, r0 + WG * ROWS, length, ROWS, D)
         else:
             lo = first_block(r0, left, BN)
-            _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start,
-                    length, head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j, n_q, WG)
+            _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out,
+                    Lse, start, length, head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j, n_q, WG, OUT)
             j += n_blocks - lo
             n_q += 1
         i += 1
         head, start, length, r0, n_blocks = _take_over(items, item_ready, item_free, i)
+    if OUT == OUT_OWN_SLOT:
+        tma.store_wait(0)  # the last out read from its slot before the program's shared memory goes
 
 
 @gluon.jit
-def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start, length,
-            head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j0, n_q, WG: gl.constexpr):
+def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start,
+            length, head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j0, n_q, WG: gl.constexpr,
+            OUT: gl.constexpr):
     """Online softmax of the warpgroup's 64 rows of the query tile from row r0 over the key blocks they see,
     then out and lse. The tile's blocks lo .. n_blocks - 1 are ring entries j0..; the warpgroup releases
     those its rows do not see (before their window, or after their diagonal in a tile of three warpgroups)
@@ -186,12 +213,6 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma)
     o_rows: gl.constexpr = gl.SliceLayout(1, mma_o)
-    # At head dim 128 out leaves by TMA through the warpgroup's slot of Q, once its products no longer read
-    # it (whole rows, cut at the document's end by the descriptor), and the next item's Q loads after that;
-    # stored from the products' registers instead, the next Q loads under the last P V. On an H200 the TMA
-    # store measured 3% faster on mixes (a) and (b) of scripts/bench_attention.py and level on (c) at head
-    # dim 128, and 1-1.5% slower on (a) and (b) at 64.
-    OUT_BY_TMA: gl.constexpr = D == 128
 
     first = r0 + WG * ROWS
     rows = first + gl.arange(0, ROWS, layout=row_layout)
@@ -238,7 +259,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_free.index(prev), count=1)
         acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_rows)[:, None])
-    if not OUT_BY_TMA:
+    if OUT != OUT_Q_SLOT:
         # Every product that reads Q is done: the load warp may bring the next item's.
         mbarrier.arrive(q_free, count=1)
     last = (j0 + count - 1) % NS
@@ -249,12 +270,17 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
     _release(k_ready, v_ready, kv_free, j0 + count, n_blocks - own_hi)
 
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
-    if OUT_BY_TMA:
-        q.store(out.to(q_smem.dtype))
+    if OUT != OUT_REGISTERS:
+        if OUT == OUT_OWN_SLOT:
+            # The last item's out has left the slot (the thread that issued its store waits, then all).
+            tma.store_wait(0)
+            barrier()
+        slot: gl.constexpr = _out_slot(WG, q_smem.type.shape[0], OUT)
+        q_smem.index(slot).reshape([ROWS, D]).store(out.to(q_smem.dtype))
         fence_async_shared()
         barrier()
         a, b, c = ragged_row(start, length, first)
-        tma_store(o_desc, [a, b, c, head, 0], q_smem.index(WG))
+        tma_store(o_desc, [a, b, c, head, 0], q_smem.index(slot))
     else:
         out_rows = gl.convert_layout(rows, o_rows)
         cols_d = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
@@ -262,7 +288,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
         gl.store(Out + offs, out.to(Out.dtype.element_ty), mask=(out_rows < length)[:, None])
     lse = (m_i + gl.log2(l_i)) * LN2
     gl.store(Lse + head * T + start + rows, lse, mask=rows < length)
-    if OUT_BY_TMA:
+    if OUT == OUT_Q_SLOT:
         # Out has left Q's slot: the load warp may bring the next item's Q.
         tma.store_wait(0)
         mbarrier.arrive(q_free, count=1)
@@ -291,22 +317,24 @@ def _mask(s, rows, j, n_blocks, last_row, left, BN: gl.constexpr, col_layout: gl
 
 
 @gluon.jit
-def _second_softmax_partition(args):
-    _softmax_partition(args, 1)
+def _second_softmax_partition(args, OUT: gl.constexpr):
+    _softmax_partition(args, 1, OUT)
 
 
 @gluon.jit
-def _third_softmax_partition(args):
-    _softmax_partition(args, 2)
+def _third_softmax_partition(args, OUT: gl.constexpr):
+    _softmax_partition(args, 2, OUT)
 
 
 @gluon.jit
 def _fwd_persistent_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group, per,
-    qk_scale, left, Counter, STAGES: gl.constexpr, PARTS: gl.constexpr,
+    qk_scale, left, Counter, STAGES: gl.constexpr, PARTS: gl.constexpr, OUT: gl.constexpr,
 ):
     """Persistent: each program runs items (query tile, head) claimed from Counter until none is left."""
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [PARTS] + q_desc.block_type.shape, q_desc.layout)
+    # Q's slots, one per warpgroup, then out's where it has slots of its own.
+    q_smem = gl.allocate_shared_memory(
+        q_desc.dtype, [PARTS * _slots_per_part(OUT)] + q_desc.block_type.shape, q_desc.layout)
     k_smem, v_smem, q_bar, k_ready, v_ready, kv_free = tile_ring(k_desc, v_desc, STAGES, PARTS)
     q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_free, count=PARTS)
@@ -317,21 +345,21 @@ def _fwd_persistent_kernel(
         mbarrier.init(item_ready.index(i), count=1)
         mbarrier.init(item_free.index(i), count=PARTS)
 
-    args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free,
-            items, item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot,
-            H, group, per, qk_scale, left)
+    args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready,
+            kv_free, items, item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T,
+            stride_ot, H, group, per, qk_scale, left)
     if PARTS == 2:
         gl.warp_specialize([
-            (_softmax_partition, (args, 0)),
-            (_second_softmax_partition, (args, )),
-            (_load_partition, (args, )),
+            (_softmax_partition, (args, 0, OUT)),
+            (_second_softmax_partition, (args, OUT)),
+            (_load_partition, (args, OUT)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_softmax_partition, (args, 0)),
-            (_second_softmax_partition, (args, )),
-            (_third_softmax_partition, (args, )),
-            (_load_partition, (args, )),
+            (_softmax_partition, (args, 0, OUT)),
+            (_second_softmax_partition, (args, OUT)),
+            (_third_softmax_partition, (args, OUT)),
+            (_load_partition, (args, OUT)),
         ], [4, 4, 1], [160, 160, 24])
 
 
@@ -343,6 +371,14 @@ def _store_empty(Out, Lse, start, head, stride_ot, T, r0, q_len, BM: gl.constexp
     rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
     minus_inf = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(0, layout))
     gl.store(Lse + head * T + start + rows, minus_inf, mask=rows < q_len)
+
+
+def out_path(D: int, parts: int) -> int:
+    """How out leaves the warpgroups (see OUT_REGISTERS): through Q's slot at head dim 128, where the
+    shared memory is full; through slots of its own at 64 in 128-row tiles; else from registers."""
+    if D == 128:
+        return OUT_Q_SLOT.value
+    return OUT_OWN_SLOT.value if parts == 2 else OUT_REGISTERS.value
 
 
 @functools.cache
@@ -379,6 +415,7 @@ def forward(
         tma_descriptor(q, 64), tma_descriptor(k, blocks.n), tma_descriptor(v, blocks.n),
         tma_descriptor(out, 64), out, lse, tiles, n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T,
         out.stride(0), H, H // H_kv, per,
-        softmax_scale * LOG2E.value, left, counter, STAGES=blocks.stages, PARTS=parts, num_warps=WARPS,
+        softmax_scale * LOG2E.value, left, counter, STAGES=blocks.stages, PARTS=parts, OUT=out_path(D, parts),
+        num_warps=WARPS,
         maxnreg=max_registers(parts + 1),
     )
