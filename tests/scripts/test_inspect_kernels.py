@@ -44,12 +44,11 @@ def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
             # the inner loops makes at most a couple of local-memory accesses (operand descriptors hoisted
             # out of the dK/dV loop made triton 3.6's build spill 17-25 a step). The dK/dV pass at head dim
             # 64 holds [64, 128] S and dP beside dK and dV in 240 registers, and S's exponentials beside dP's
-            # product in flight: triton 3.6's build spills none, 3.9's 22 a step on the masked blocks (56
-            # when the warpgroups issued the TMA stores of dK and dV themselves, 42 with dQ staged in the
-            # tile's own layout, 34 when ptxas made dP's product wait for S's).
+            # product in flight: both builds spill none (triton 3.9's spilled 22 a step on the masked blocks
+            # when each step's dQ products were issued in that step, 56 when the warpgroups also issued the
+            # TMA stores of dK and dV themselves).
             assert row["tma_loads"] > 0 and row["register_moves"] > 0, where
-            bound = 24 if (row["kernel"], head_dim) == ("dkdv", 64) else 2
-            assert all(loop["spill_ops"] <= bound for loop in row["loops"]), where
+            assert all(loop["spill_ops"] <= 2 for loop in row["loops"]), where
         elif row["blocks"]["tma"]:
             assert row["tma_loads"] > 0, where
         else:
