@@ -188,7 +188,7 @@ def ptxas_report(ptx: str, arch: int) -> dict:
         ).stdout
     registers = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
-    warnings = sorted(set(re.findall(r"\((C\d+)\) ([^\n]*?) in the function", out)))
+    warnings = sorted(set(re.findall(r"\((C\d+)\) ([^\n]*?) (?:in|for) the function", out)))
     return dict(
         registers=int(registers.group(1)) if registers else None,
         spill_bytes=int(spills.group(1)) if spills else 0,
