@@ -381,7 +381,8 @@ def _dkdv_partition(args, WG: gl.constexpr):
     dv = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, mma_d))
     mbarrier.wait(kv_bar, 0)
     steps = group * (n_q - q_lo)
-    if _dq_late(BM):
+    LATE: gl.constexpr = _dq_late(BM)
+    if LATE:
         # The first step apart, which issues no dQ products, so that no product's accumulator is defined
         # on one path of a branch (ptxas then serialises the products, its warning C7515).
         dv, dk = _dkdv_step(args, dv, dk, 0, q_lo, steps, keys, first_key, last_key, zeros, zeros_q, WG, True)
@@ -397,7 +398,7 @@ def _dkdv_partition(args, WG: gl.constexpr):
                                     False)
                 j += 1
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-    if _dq_late(BM):
+    if LATE:
         _named_barrier(DS_READY + 2 * (1 - WG) + (steps - 1) % 2, 256)
         k_first = _dq_columns(kv_smem.index(0).reshape([HALF, D]), WG)
         k_second = _dq_columns(kv_smem.index(1).reshape([HALF, D]), WG)
