@@ -300,7 +300,9 @@ def _dkdv_step(args, dv, dk, j, qb, steps, keys, first_key, last_key, zeros, zer
         # step's dQ issued in that step).
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+        # dV's product is issued before dP's wait, which ptxas then cannot move above the exponentials.
+        dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
         ds = (p * dp).to(q_desc.dtype)
     else:
         s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
@@ -320,8 +322,8 @@ def _dkdv_step(args, dv, dk, j, qb, steps, keys, first_key, last_key, zeros, zer
         _named_barrier(DS_FREE + 2 * WG + buf, 256)
     if not FOLD:
         ds_smem.index(2 * buf + WG).store(ds)
-    dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
-    if FOLD:
+        dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
+    else:
         ds_smem.index(2 * buf + WG).store(ds)
     fence_async_shared()
     if LATE:
