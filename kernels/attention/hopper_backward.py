@@ -294,13 +294,13 @@ def _dkdv_step(args, dv, dk, j, qb, steps, keys, first_key, last_key, zeros, zer
         dp = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
     if FOLD:
         # With 128-query blocks the exponentials are placed under dP's product: 0.5-1% faster on an
-        # H200 (neither triton build spills); with 64-query blocks (head dim 128) that measured 1%
-        # slower. ptxas still runs about 50 of the 64 after dP's wait, which it moves up; issuing dV's
-        # product before that wait keeps them all under dP's but measured 1-1.5% slower (with each
-        # step's dQ issued in that step).
+        # H200 (neither triton build spills). dV's product is issued before dP's wait, which ptxas then
+        # cannot move above them (it ran about 50 of the 64 after that wait otherwise): with dQ late,
+        # 0.5-5% faster on an H200 (measured 1-1.5% slower with each step's dQ issued in that step).
+        # With 64-query blocks (head dim 128) both orders measured slower: the exponentials under dP's
+        # product 1%, and dV's product before dP's wait too 1-2.5% (0.5-3% with dQ late, level on (c)).
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
-        # dV's product is issued before dP's wait, which ptxas then cannot move above the exponentials.
         dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
         dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
         ds = (p * dp).to(q_desc.dtype)
@@ -314,17 +314,14 @@ def _dkdv_step(args, dv, dk, j, qb, steps, keys, first_key, last_key, zeros, zer
     # buffer only once the other's dQ products have read it (where dQ is issued in the step itself, the
     # other has by the time both meet at the next step's barrier). With 64-query blocks dS is stored
     # before dV's product is issued, so that the fence that follows does not wait for stores queued
-    # behind the product's issue (2% faster at head dim 128 on an H200); with 128-query blocks that
-    # measured 2% slower.
+    # behind the product's issue (2% faster at head dim 128 on an H200).
     buf = j % 2
     if LATE and j >= 2:
         # The other warpgroup's dQ products of step j - 2 have read this warpgroup's half of buf.
         _named_barrier(DS_FREE + 2 * WG + buf, 256)
+    ds_smem.index(2 * buf + WG).store(ds)
     if not FOLD:
-        ds_smem.index(2 * buf + WG).store(ds)
         dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
-    else:
-        ds_smem.index(2 * buf + WG).store(ds)
     fence_async_shared()
     if LATE:
         _named_arrive(DS_READY + 2 * WG + buf, 256)
