@@ -13,14 +13,14 @@ torch.nn.attention.varlen.varlen_attn, and SDPA (flash and cuDNN backends) on a 
 writes a file only with `--out`; `--profile` writes nothing. With `--window W` the file is
 attention_<device>_w<W>.json, and the methods without sliding windows (the SDPA ones) are left out.
 
-TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forward (half of the full
-4 L^2 D H), 2.5 times that for the backward and 3.5 times for forward + backward; under a window, 4 D H per
-(query, key) pair the window keeps. Times are medians of
-triton.testing.do_bench; backward alone is torch.autograd.grad over a retained graph. Our plan (the tile
-tables of the batch's documents), FlexAttention's block mask and SDPA's padded copies are built once
-outside the timed region, as a model builds them once per batch for all its layers; the plan's own time
-is the `plan_ms` of our rows (the table's last column), paid once per batch and window.
-`sdpa_rows` is the no-mask reference: causal SDPA over whole 2,048-token rows, as nanochat computes.
+TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forward (half of the full 4 L^2 D
+H), 2.5 times that for the backward and 3.5 times for forward + backward; under a window, 4 D H per (query,
+key) pair the window keeps. Times are medians of triton.testing.do_bench over at least 50 reps (and 200 ms),
+after 10 reps of warm-up; backward alone is torch.autograd.grad over a retained graph. Our plan (the tile
+tables of the batch's documents), FlexAttention's block mask and SDPA's padded copies are built once outside
+the timed region, as a model builds them once per batch for all its layers; the plan's own time is the
+`plan_ms` of our rows (the table's last column), paid once per batch and window. `sdpa_rows` is the no-mask
+reference: causal SDPA over whole 2,048-token rows, as nanochat computes.
 
 The physical limit beside them: a bf16 matrix product's TFLOP/s on the same GPU (MATMUL_SIZE cubed, cuBLAS),
 measured once per run, written as `matmul_tflops`; each row's `fwd_bwd_share_of_matmul` (and the table's
@@ -117,9 +117,7 @@ def ours(q, k, v, cu, lengths, window=-1):
 def plan_ms(q, cu, lengths, window=-1) -> float:
     """Median milliseconds of making our plan, which the model pays once per batch and window (timed apart
     from the calls, which take it made, as FlexAttention's rows take their block mask)."""
-    from triton.testing import do_bench
-
-    return do_bench(lambda: ours_plan(q, cu, lengths, window), warmup=20, rep=100, return_mode="median")
+    return median_ms(lambda: ours_plan(q, cu, lengths, window), 100)
 
 
 def flex(q, k, v, cu, lengths, window=-1):
@@ -226,43 +224,53 @@ METHODS = {"ours": ours, "flex": flex, "varlen_attn": varlen_attn, "sdpa_rows": 
 WINDOWED = {"ours", "flex", "varlen_attn", "fa4", "fa4_deterministic"}
 
 
+# Each time is the median of at least MIN_REPS reps after at least WARMUP_REPS, however long a rep takes:
+# at the 200 ms default a 19 ms loop would get only ten reps, a median that moved by 5-10% between runs
+# of one loop on one GPU held at its power cap.
+MIN_REPS = 50
+WARMUP_REPS = 10
+
+
+def median_ms(fn, rep_ms: float = 200) -> float:
+    """Median milliseconds of fn over max(rep_ms, MIN_REPS reps), L2 flushed per rep (do_bench)."""
+    from triton.testing import do_bench
+
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    end.synchronize()
+    rep = start.elapsed_time(end) / 3
+    return do_bench(
+        fn, warmup=max(50, WARMUP_REPS * rep), rep=max(rep_ms, MIN_REPS * rep), return_mode="median"
+    )
+
+
 def time_method(
     method, q, k, v, cu, lengths, parts=("fwd", "bwd", "fwd_bwd"), rep_ms=200, window: int = -1
 ) -> dict:
     """Median milliseconds of the forward, the backward and both, for the parts asked for."""
-    from triton.testing import do_bench
-
     fwd, inputs = method(q, k, v, cu, lengths, window)
     times = {}
     if "fwd" in parts:
         with torch.no_grad():
-            times["fwd"] = do_bench(lambda: fwd(*inputs), warmup=50, rep=rep_ms, return_mode="median")
+            times["fwd"] = median_ms(lambda: fwd(*inputs), rep_ms)
     inputs = [x.detach().requires_grad_() for x in inputs]
     out = fwd(*inputs)
     dout = torch.randn_like(out)
     if "bwd" in parts:
-        times["bwd"] = do_bench(
-            lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True),
-            warmup=50,
-            rep=rep_ms,
-            return_mode="median",
-        )
+        times["bwd"] = median_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), rep_ms)
     if "fwd_bwd" in parts:
-        times["fwd_bwd"] = do_bench(
-            lambda: torch.autograd.grad(fwd(*inputs), inputs, dout),
-            warmup=50,
-            rep=rep_ms,
-            return_mode="median",
-        )
+        times["fwd_bwd"] = median_ms(lambda: torch.autograd.grad(fwd(*inputs), inputs, dout), rep_ms)
     return times
 
 
 def matmul_tflops(n: int = MATMUL_SIZE) -> float:
-    """TFLOP/s of a bf16 [n, n] x [n, n] product on the current GPU (median of do_bench)."""
-    from triton.testing import do_bench
-
+    """TFLOP/s of a bf16 [n, n] x [n, n] product on the current GPU."""
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    ms = do_bench(lambda: a @ b, warmup=50, rep=200, return_mode="median")
+    ms = median_ms(lambda: a @ b)
     return round(2 * n**3 / ms / 1e9, 1)
 
 
