@@ -13,12 +13,12 @@ torch.nn.attention.varlen.varlen_attn, and SDPA (flash and cuDNN backends) on a 
 writes a file only with `--out`; `--profile` writes nothing. With `--window W` the file is
 attention_<device>_w<W>.json, and the methods without sliding windows (the SDPA ones) are left out.
 
-TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forward (half of the full 4 L^2 D
-H), 2.5 times that for the backward and 3.5 times for forward + backward; under a window, 4 D H per (query,
-key) pair the window keeps. Times are medians of triton.testing.do_bench over at least 50 reps (and 200 ms),
-after 10 reps of warm-up; backward alone is torch.autograd.grad over a retained graph. Our plan (the tile
-tables of the batch's documents), FlexAttention's block mask and SDPA's padded copies are built once outside
-the timed region, as a model builds them once per batch for all its layers; the plan's own time is the
+TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forward (half of the full
+4 L^2 D H), 2.5 times that for the backward and 3.5 times for forward + backward; under a window, 4 D H per
+(query, key) pair the window keeps. Times are medians of triton.testing.do_bench over at least 50 reps (and
+200 ms), after 10 reps of warm-up; backward alone is torch.autograd.grad over a retained graph. Our plan (the
+tile tables of the batch's documents), FlexAttention's block mask and SDPA's padded copies are built once
+outside the timed region, as a model builds them once per batch for all its layers; the plan's own time is the
 `plan_ms` of our rows (the table's last column), paid once per batch and window. `sdpa_rows` is the no-mask
 reference: causal SDPA over whole 2,048-token rows, as nanochat computes.
 
