@@ -16,11 +16,12 @@ attention_<device>_w<W>.json, and the methods without sliding windows (the SDPA 
 TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forward (half of the full
 4 L^2 D H), 2.5 times that for the backward and 3.5 times for forward + backward; under a window, 4 D H per
 (query, key) pair the window keeps. Times are medians of triton.testing.do_bench over at least 50 reps (and
-200 ms), after 10 reps of warm-up; backward alone is torch.autograd.grad over a retained graph. Our plan (the
-tile tables of the batch's documents), FlexAttention's block mask and SDPA's padded copies are built once
-outside the timed region, as a model builds them once per batch for all its layers; the plan's own time is the
-`plan_ms` of our rows (the table's last column), paid once per batch and window. `sdpa_rows` is the no-mask
-reference: causal SDPA over whole 2,048-token rows, as nanochat computes.
+200 ms), after 10 reps of warm-up, and each row's `_host_ms` the host time per call (the f+b one is the
+table's last column); backward alone is torch.autograd.grad over a retained graph. Our plan (the tile tables
+of the batch's documents), FlexAttention's block mask and SDPA's padded copies are built once outside the
+timed region, as a model builds them once per batch for all its layers; the plan's own time is the `plan_ms`
+of our rows (the column before it), paid once per batch and window. `sdpa_rows` is the no-mask reference:
+causal SDPA over whole 2,048-token rows, as nanochat computes.
 
 The physical limit beside them: a bf16 matrix product's TFLOP/s on the same GPU (MATMUL_SIZE cubed, cuBLAS),
 measured once per run, written as `matmul_tflops`; each row's `fwd_bwd_share_of_matmul` (and the table's
@@ -31,6 +32,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -248,22 +250,41 @@ def median_ms(fn, rep_ms: float = 200) -> float:
     )
 
 
+def host_ms(fn, calls: int = 20) -> float:
+    """Milliseconds of host time per call of fn: calls queued back to back from an idle GPU, timed until
+    the last returns (not until the GPU ends it). Where this exceeds the GPU's time per call, a loop of fn
+    is host-bound."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
 def time_method(
-    method, q, k, v, cu, lengths, parts=("fwd", "bwd", "fwd_bwd"), rep_ms=200, window: int = -1
+    method, q, k, v, cu, lengths, parts=("fwd", "bwd", "fwd_bwd"), rep_ms=200, window: int = -1, host=False
 ) -> dict:
-    """Median milliseconds of the forward, the backward and both, for the parts asked for."""
+    """Median milliseconds of the forward, the backward and both, for the parts asked for, and with
+    host=True each part's host milliseconds per call as `<part>_host`."""
     fwd, inputs = method(q, k, v, cu, lengths, window)
-    times = {}
+    calls = {}
     if "fwd" in parts:
-        with torch.no_grad():
-            times["fwd"] = median_ms(lambda: fwd(*inputs), rep_ms)
+        calls["fwd"] = lambda: fwd(*inputs)  # timed in no_grad, below
     inputs = [x.detach().requires_grad_() for x in inputs]
     out = fwd(*inputs)
     dout = torch.randn_like(out)
     if "bwd" in parts:
-        times["bwd"] = median_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), rep_ms)
+        calls["bwd"] = lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
     if "fwd_bwd" in parts:
-        times["fwd_bwd"] = median_ms(lambda: torch.autograd.grad(fwd(*inputs), inputs, dout), rep_ms)
+        calls["fwd_bwd"] = lambda: torch.autograd.grad(fwd(*inputs), inputs, dout)
+    times = {}
+    for part, call in calls.items():
+        with torch.set_grad_enabled(part != "fwd"):
+            times[part] = median_ms(call, rep_ms)
+            if host:
+                times[f"{part}_host"] = host_ms(call)
     return times
 
 
@@ -314,13 +335,14 @@ def benchmark(
                     "longest": max(lengths),
                 }
                 try:
-                    times = time_method(method, q, k, v, cu, lengths, window=window)
+                    times = time_method(method, q, k, v, cu, lengths, window=window, host=True)
                 except Exception as e:  # a baseline that does not run here is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 else:
                     for part, t in times.items():
                         row[f"{part}_ms"] = round(t, 4)
-                        row[f"{part}_tflops"] = round(WORK[part] * flops / t / 1e9, 1)
+                        if part in WORK:
+                            row[f"{part}_tflops"] = round(WORK[part] * flops / t / 1e9, 1)
                     if matmul:
                         row["fwd_bwd_share_of_matmul"] = round(row["fwd_bwd_tflops"] / matmul, 3)
                     if name == "ours":
@@ -451,17 +473,19 @@ def format_row(row: dict) -> str:
     cells = (f" {row[f'{k}_ms']:8.3f} | {row[f'{k}_tflops']:6.1f} |" for k in ("fwd", "bwd", "fwd_bwd"))
     share = row.get("fwd_bwd_share_of_matmul")
     plan = row.get("plan_ms")
+    host = row.get("fwd_bwd_host_ms")
     return (
         head
         + "".join(cells)
         + (f" {share:7.1%} |" if share is not None else "       - |")
         + (f" {plan:7.3f} |" if plan is not None else "       - |")
+        + (f" {host:8.3f} |" if host is not None else "        - |")
     )
 
 
 TABLE_HEAD = (
     "| mix        |   D | method            |   fwd ms | TFLOPS |   bwd ms | TFLOPS |   f+b ms | TFLOPS |"
-    "  of mm | plan ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "  of mm | plan ms | f+b host |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
