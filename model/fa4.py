@@ -108,10 +108,14 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.args = (max_seqlen, window, softmax_scale, deterministic)
+    # lse, which the model does not use, gets no gradient: None instead of zeros allocated every call.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
     dq, dk, dv = fa4_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.args)
     return dq, dk, dv, None, None, None, None, None
 

@@ -17,15 +17,15 @@ TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forwa
 4 L^2 D H), 2.5 times that for the backward and 3.5 times for forward + backward; under a window, 4 D H per
 (query, key) pair the window keeps. Times are medians of triton.testing.do_bench over at least 50 reps (and
 200 ms), after 10 reps of warm-up, and each row's `_host_ms` the host time per call (the f+b one is the
-table's last column); backward alone is torch.autograd.grad over a retained graph. Our plan (the tile tables
+table's "f+b host"); backward alone is torch.autograd.grad over a retained graph. Our plan (the tile tables
 of the batch's documents), FlexAttention's block mask and SDPA's padded copies are built once outside the
 timed region, as a model builds them once per batch for all its layers; the plan's own time is the `plan_ms`
-of our rows (the column before it), paid once per batch and window. `sdpa_rows` is the no-mask reference:
+of our rows (the table's "plan ms"), paid once per batch and window. `sdpa_rows` is the no-mask reference:
 causal SDPA over whole 2,048-token rows, as nanochat computes.
 
 The physical limit beside them: a bf16 matrix product's TFLOP/s on the same GPU (MATMUL_SIZE cubed, cuBLAS),
-measured once per run, written as `matmul_tflops`; each row's `fwd_bwd_share_of_matmul` (and the table's
-last column) is its forward + backward TFLOP/s as a share of it.
+measured once per run, written as `matmul_tflops`; each row's `fwd_bwd_share_of_matmul` (the table's "of
+mm") is its forward + backward TFLOP/s as a share of it.
 """
 
 import argparse

@@ -17,6 +17,8 @@ diagonal to its window's end; the blocks on the diagonal and at the window's edg
 run on the tile tables of plan.py (hopper_forward.py, hopper_backward.py).
 """
 
+import functools
+
 import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -191,6 +193,15 @@ def supported(*tensors: torch.Tensor) -> bool:
 
 def tma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """Ragged TMA descriptor of a [T, H, D] tensor for [rows, D] tiles of one head and one segment."""
-    ragged = create_ragged_descriptor(x, [rows, 1, x.shape[2]])
-    layout = nvmma_layout(tuple(ragged.block_shape), x.dtype)
-    return TensorDescriptor(x, ragged.shape, ragged.strides, ragged.block_shape, layout)
+    return TensorDescriptor(x, *_ragged_geometry(x.shape, x.stride(), x.dtype, rows))
+
+
+@functools.lru_cache(maxsize=256)
+def _ragged_geometry(shape, strides, dtype, rows):
+    """(shape, strides, block shape, layout) of the ragged descriptor, made once per tensor geometry by
+    triton's create_ragged_descriptor on a meta tensor: made per call, with that descriptor's checks and
+    then the Gluon descriptor's, it took 18 us a descriptor under cProfile on an H200's host, and a forward
+    + backward call makes ten."""
+    ragged = create_ragged_descriptor(torch.empty_strided(shape, strides, dtype=dtype, device="meta"),
+                                      [rows, 1, shape[2]])
+    return ragged.shape, ragged.strides, ragged.block_shape, nvmma_layout(tuple(ragged.block_shape), dtype)

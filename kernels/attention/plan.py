@@ -8,7 +8,8 @@ and the unused entries exit at once. `make_plan` builds the tables of every laun
 layers attending over the same documents can share.
 """
 
-from typing import NamedTuple  # noqa: I001 (kernels.common must come before triton)
+import functools  # noqa: I001 (kernels.common must come before triton)
+from typing import NamedTuple
 
 import torch
 
@@ -158,9 +159,19 @@ def _plan_layout(
     T: int, n_docs: int, head_dim: int, window_left: int, window_right: int, max_seqlen: int,
     part: str | None, on_hopper: bool,
 ):
-    """([(launch, offset, tiles)], offset of the dS slots or None, size) of a plan for pass `part` ("fwd",
-    "bwd", or None for both) on a Hopper GPU or not: shapes only."""
+    """(launches, offset of the dS slots or None, size) of a plan for pass `part` ("fwd", "bwd", or None for
+    both) on a Hopper GPU or not, launches as (launch, offset, tiles): shapes only. Made once per shape and
+    block config and looked up by every call after (making it took about 25 us of host time a pass)."""
     config = block_sizes.block_config(head_dim, on_hopper)
+    frozen = tuple((key, tuple(value) if isinstance(value, list) else value) for key, value in config.items())
+    return _layout(frozen, T, n_docs, window_left, window_right, max_seqlen, part)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(
+    frozen_config, T: int, n_docs: int, window_left: int, window_right: int, max_seqlen: int, part: str | None
+):
+    config = dict(frozen_config)
     left, right = window_bounds(T, window_left, window_right)
     kernels = _PASSES[part] if part else _PASSES["fwd"] + _PASSES["bwd"]
     layout, size = [], 0
@@ -170,7 +181,7 @@ def _plan_layout(
             layout.append((launch, size, n))
             size += 2 * n
     slots_at = size if _stored_longest(config, left, right) and part != "fwd" else None
-    return layout, slots_at, size + (0 if slots_at is None else n_docs + 1)
+    return tuple(layout), slots_at, size + (0 if slots_at is None else n_docs + 1)
 
 
 def plan_size(
@@ -248,6 +259,7 @@ def planned(
         T, n_docs, head_dim, window_left, window_right, max_seqlen, part if plan is None else None,
         is_hopper(cu_seqlens.device),
     )
+    passes = _PASSES[part]
     if plan is None:
         plan = _fill_plan(cu_seqlens, T, head_dim, max_seqlen, layout, slots_at, size)
     elif plan.shape != (size,) or plan.dtype != torch.int32:
@@ -256,6 +268,7 @@ def planned(
             f"documents, head dim {head_dim}, window ({window_left}, {window_right}) and max_seqlen "
             f"{max_seqlen} take int32 ({size},)"
         )
-    views = [(launch, plan[at : at + 2 * n].view(2, n)) for launch, at, n in layout]
-    tables = [(launch, tiles) for launch, tiles in views if launch.kernel in _PASSES[part]]
+    tables = [
+        (launch, plan[at : at + 2 * n].view(2, n)) for launch, at, n in layout if launch.kernel in passes
+    ]
     return tables, None if slots_at is None else plan[slots_at:]

@@ -6,6 +6,7 @@ The interpreter's bf16 tl.dot is broken, so inputs here are float16 and float32.
 small, unequal blocks (block_config), so these buffers of a few hundred tokens cross many block edges.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -19,6 +20,8 @@ from kernels.attention import (
     flash_attn_varlen,
     plan,
 )
+from kernels.attention import op as op_module
+from kernels.attention.backward import backward
 from kernels.attention.block_sizes import block_config
 from kernels.attention.op import flash_attn_varlen_fwd
 from kernels.attention.plan import tile_table
@@ -97,7 +100,7 @@ def forward_op(q, k, v, cu, window, scale):
 def run_kernel(q, k, v, cu, window, scale, dout, dlse=None):
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     out, lse = forward_op(q, k, v, cu, window, scale)
-    loss = (out.float() * dout).sum() + (0 if dlse is None else (lse * dlse).sum())
+    loss = (0 if dout is None else (out.float() * dout).sum()) + (0 if dlse is None else (lse * dlse).sum())
     loss.backward()
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
@@ -105,7 +108,7 @@ def run_kernel(q, k, v, cu, window, scale, dout, dlse=None):
 def run_reference(q, k, v, cu, window, scale, dout, dlse=None):
     q, k, v = (x.double().requires_grad_() for x in (q, k, v))
     out, lse = attention_reference(q, k, v, cu, causal=False, window_size=window, softmax_scale=scale)
-    loss = (out * dout.double()).sum()
+    loss = 0 if dout is None else (out * dout.double()).sum()
     if dlse is not None:
         loss = loss + (torch.where(lse.isfinite(), lse, 0.0) * dlse.double()).sum()
     loss.backward()
@@ -188,13 +191,81 @@ def test_passes_read_only_what_they_wrote(window, monkeypatch):
         assert rel_err(x, ref) < 1e-5, (name, rel_err(x, ref))
 
 
-def test_lse_gradient():
+@pytest.mark.parametrize("out_used", [True, False], ids=["out-and-lse", "lse-only"])
+def test_lse_gradient(out_used):
+    """A gradient on lse beside out's, or alone: then out's reaches the backward as None."""
     q, k, v, cu = make_inputs(MIXES["edges"], 64, 4, 2, torch.float32)
-    dout, dlse = torch.randn(T, 4, 64), torch.randn(4, T)
+    dout, dlse = (torch.randn(T, 4, 64) if out_used else None), torch.randn(4, T)
     got = run_kernel(q, k, v, cu, (20, 0), 0.125, dout, dlse)
     want = run_reference(q, k, v, cu, (20, 0), 0.125, dout, dlse)
-    for x, ref in zip(got[2:], want[2:], strict=True):
+    dq, dk, dv = got[2:]
+    for x, ref in ((dq, want[2]), (dk, want[3])):
         assert rel_err(x, ref) < 1e-5
+    if out_used:
+        assert rel_err(dv, want[4]) < 1e-5
+    else:  # lse does not depend on v
+        assert want[4] is None and torch.equal(dv, torch.zeros_like(dv))
+
+
+def test_unused_lse_gets_no_gradient_buffer(monkeypatch):
+    """Where only out is used, the backward gets dlse None: no buffer of zeros allocated and read per call."""
+    q, k, v, cu = make_inputs(MIXES["edges"], 64, 4, 2, torch.float32)
+    seen = []
+
+    def spy(dout, q, k, v, out, lse, dlse, *args):
+        seen.append(dlse)
+        return backward(dout, q, k, v, out, lse, dlse, *args)
+
+    monkeypatch.setattr(op_module, "backward", spy)
+    q.requires_grad_()
+    flash_attn_varlen(q, k, v, cu, max(MIXES["edges"]), window_size=(20, 0)).sum().backward()
+    assert len(seen) == 1 and seen[0] is None
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,rows", [(16, 16, 128, 64), (6, 2, 64, 128)])
+def test_tma_descriptor_geometry_is_that_of_the_tensor(heads, kv_heads, d, rows):
+    """The Gluon passes' descriptors take their ragged geometry from a cache made on a meta tensor: it is
+    triton's for the real tensor, including views of a fused QKV projection (strides of the whole row)."""
+    from triton.tools.ragged_tma import create_ragged_descriptor
+
+    from kernels.attention.hopper import tma_descriptor
+
+    qkv = torch.empty(80, (heads + 2 * kv_heads) * d, dtype=torch.bfloat16)
+    q = qkv[:, : heads * d].view(80, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(80, kv_heads, d)
+    for x in (q, k, torch.empty(80, heads, d, dtype=torch.float16)):
+        got, want = tma_descriptor(x, rows), create_ragged_descriptor(x, [rows, 1, d])
+        assert got.base is x
+        assert (list(got.shape), list(got.strides), list(got.block_shape)) == (
+            list(want.shape), list(want.strides), list(want.block_shape)
+        )
+
+
+def test_dispatch_modes_see_the_custom_ops():
+    """Eager calls skip the ops' dispatch; under a dispatch mode (as tracing, fake tensors or a flop counter
+    use) the forward and backward run as the custom ops, with the same results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, cu = make_inputs(MIXES["edges"], 64, 4, 2, torch.float32)
+    grads = []
+    for mode in (None, Recorder()):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with mode if mode is not None else contextlib.nullcontext():
+            out = flash_attn_varlen(*leaves, cu, max(MIXES["edges"]), window_size=(20, 0))
+            out.square().sum().backward()
+        grads.append([out.detach()] + [x.grad for x in leaves])
+    assert {"varlen_gpt.flash_attn_varlen_fwd", "varlen_gpt.flash_attn_varlen_bwd"} <= mode.ops
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_strided_inputs_and_public_api():
