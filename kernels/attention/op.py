@@ -55,10 +55,10 @@ def flash_attn_varlen_fwd(
     softmax_scale: float,
     max_seqlen: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, cu_seqlens, plan, window_left, window_right, softmax_scale, max_seqlen)
+    return _forward_kernels(q, k, v, cu_seqlens, plan, window_left, window_right, softmax_scale, max_seqlen)
 
 
-def _forward(q, k, v, cu_seqlens, plan, window_left, window_right, softmax_scale, max_seqlen):
+def _forward_kernels(q, k, v, cu_seqlens, plan, window_left, window_right, softmax_scale, max_seqlen):
     q, k, v = map(_last_dim_contiguous, (q, k, v))
     return forward(q, k, v, cu_seqlens, window_left, window_right, softmax_scale, plan, max_seqlen)
 
@@ -140,7 +140,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _forward(*inputs)
+        output = _forward_kernels(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
@@ -242,5 +242,5 @@ def flash_attn_varlen(
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, _ = _EagerAttention.apply(*inputs)
     else:
-        out, _ = _forward(*inputs)
+        out, _ = _forward_kernels(*inputs)
     return out
