@@ -16,7 +16,8 @@ spills` counts the spill loads and stores (SASS, from triton's nvdisasm) inside 
 tensor-core products, in code order: a kernel's total spill bytes say nothing about whether its hot loop
 touches local memory (the unmasked loop is usually the shortest one). The kernels are specialised as a
 launch on aligned [T, H, D] bf16 tensors would specialise them (16-byte strides, one query head per K/V
-head, no gradient on the LSE). Figures are those of the installed triton; the GPU machines run triton 3.6
+head, no gradient on the LSE), over the whole past (`--window`: the Gluon forward as a launch under a
+sliding window compiles it). Figures are those of the installed triton; the GPU machines run triton 3.6
 (`pip install --target DIR triton==3.6.0` and put DIR first on PYTHONPATH to see theirs). `--json` prints
 one object per kernel and class instead of a table.
 """
@@ -112,8 +113,9 @@ def signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks, arch: 
     )
 
 
-def gluon_signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks):
-    """(signature, constexprs, attrs) of a launch of a Gluon kernel of kernels/attention/hopper_*.py."""
+def gluon_signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks, window: bool = False):
+    """(signature, constexprs, attrs) of a launch of a Gluon kernel of kernels/attention/hopper_*.py; the
+    forward's over the whole past or (`window`) under a sliding window."""
     from triton.experimental.gluon import language as gl
 
     def descriptor(name):
@@ -133,6 +135,7 @@ def gluon_signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks):
     constants = dict(STAGES=blocks.stages, HAS_DLSE=False)
     if kernel == "fwd":
         constants["PARTS"] = blocks.m // 64
+        constants["WINDOW"] = window
         constants["OUT"] = hopper_forward.out_path(head_dim, blocks.m // 64)
     return _signature(fn, constants, descriptor)
 
@@ -236,13 +239,14 @@ def inner_loops(sass: str) -> list[dict]:
 
 
 def inspect_kernel(
-    kernel: str, head_dim: int, blocks: block_sizes.Blocks, arch: int, dump: Path | None = None
+    kernel: str, head_dim: int, blocks: block_sizes.Blocks, arch: int, dump: Path | None = None,
+    window: bool = False,
 ) -> dict:
     if blocks.gluon and head_dim in hopper.HEAD_DIMS and arch == 90:
         from triton.experimental.gluon._runtime import GluonASTSource
 
         fn = GLUON_KERNELS[kernel]
-        sig, constexprs, attrs = gluon_signature(kernel, fn, head_dim, blocks)
+        sig, constexprs, attrs = gluon_signature(kernel, fn, head_dim, blocks, window)
         source = GluonASTSource(fn, sig, constexprs, attrs)
         # The forward's warpgroups own 64 query rows each, the dK/dV pass's two own half the key tile.
         warpgroups = blocks.m // 64 + 1 if kernel == "fwd" else 3
@@ -259,6 +263,7 @@ def inspect_kernel(
             f"{kernel}_d{head_dim}_{blocks.m}x{blocks.n}_w{blocks.warps}_s{blocks.stages}"
             + ("_tma" if blocks.tma else "")
             + ("_gluon" if blocks.gluon else "")
+            + ("_window" if window else "")
         )
         for key in ("ttgir", "ptx"):
             (dump / f"{stem}.{key}").write_text(compiled.asm[key])
@@ -375,6 +380,10 @@ def main():
     parser.add_argument("--kernels", nargs="+", choices=every, default=every)
     parser.add_argument("--dump", type=Path, help="write each kernel's TTGIR and PTX here")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    parser.add_argument(
+        "--window", action="store_true",
+        help="the Gluon forward as a launch under a sliding window compiles it",
+    )
     args = parser.parse_args()
 
     config = block_sizes.block_config(args.head_dim, on_hopper=args.arch == 90)
@@ -394,7 +403,7 @@ def main():
             entries = config[kernel] if kernel != "dq_stored" else [(config["dkdv"][0][0], config[kernel])]
             rows = [
                 (
-                    inspect_kernel(kernel, args.head_dim, blocks, args.arch, args.dump),
+                    inspect_kernel(kernel, args.head_dim, blocks, args.arch, args.dump, args.window),
                     longest,
                     f"<= {longest}" if longest else "longer" if len(entries) > 1 else "all",
                 )

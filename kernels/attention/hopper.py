@@ -141,10 +141,13 @@ def first_block(r0, left, BN: gl.constexpr):
 
 
 @gluon.jit
-def needs_mask(block, last_block, last_row, left, BN: gl.constexpr):
+def needs_mask(block, last_block, last_row, left, BN: gl.constexpr, WINDOW: gl.constexpr):
     """Whether key block `block` holds keys that some of the rows up to last_row do not see: keys after a
-    row (the tile's last blocks, from last_block on), or before its window."""
-    return (block >= last_block) | (block * BN < last_row - left)
+    row (the tile's last blocks, from last_block on), or, under a window (WINDOW), before it."""
+    cut = block >= last_block
+    if WINDOW:
+        cut = cut | (block * BN < last_row - left)
+    return cut
 
 
 @gluon.jit

@@ -168,7 +168,7 @@ def _load_partition(args, OUT: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_partition(args, WG: gl.constexpr, OUT: gl.constexpr):
+def _softmax_partition(args, WG: gl.constexpr, OUT: gl.constexpr, WINDOW: gl.constexpr):
     """One warpgroup: rows 64 WG .. 64 WG + 63 of each item the load warp hands over."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free,
      items, item_ready, item_free, Counter, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H,
@@ -186,7 +186,8 @@ def _softmax_partition(args, WG: gl.constexpr, OUT: gl.constexpr):
         else:
             lo = first_block(r0, left, BN)
             _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out,
-                    Lse, start, length, head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j, n_q, WG, OUT)
+                    Lse, start, length, head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j, n_q, WG, OUT,
+                    WINDOW)
             j += n_blocks - lo
             n_q += 1
         i += 1
@@ -198,7 +199,7 @@ def _softmax_partition(args, WG: gl.constexpr, OUT: gl.constexpr):
 @gluon.jit
 def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, Out, Lse, start,
             length, head, r0, lo, n_blocks, left, T, stride_ot, qk_scale, j0, n_q, WG: gl.constexpr,
-            OUT: gl.constexpr):
+            OUT: gl.constexpr, WINDOW: gl.constexpr):
     """Online softmax of the warpgroup's 64 rows of the query tile from row r0 over the key blocks they see,
     then out and lse. The tile's blocks lo .. n_blocks - 1 are ring entries j0..; the warpgroup releases
     those its rows do not see (before their window, or after their diagonal in a tile of three warpgroups)
@@ -235,7 +236,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
     mbarrier.wait(k_ready.index(j0 % NS), (j0 // NS) & 1)
     s = warpgroup_mma(q, transposed_slot(k_smem, j0 % NS, BN, D), zeros, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    s = _mask(s, rows, own_lo, own_hi, last_row, left, BN, col_layout)
+    s = _mask(s, rows, own_lo, own_hi, last_row, left, BN, col_layout, WINDOW)
     # A finite floor for rows that see none of the window's first block keeps exp2(m_i - m_new) finite.
     m_i = gl.maximum(gl.max(s, 1) * qk_scale, -1.0e30)
     p = gl.exp2(s * qk_scale - m_i[:, None])
@@ -251,7 +252,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
         mbarrier.wait(v_ready.index(prev), ((j0 + i - 1) // NS) & 1)
         acc = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        s = _mask(s, rows, own_lo + i, own_hi, last_row, left, BN, col_layout)
+        s = _mask(s, rows, own_lo + i, own_hi, last_row, left, BN, col_layout, WINDOW)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -308,30 +309,35 @@ def _release(k_ready, v_ready, kv_free, j0, n):
 
 
 @gluon.jit
-def _mask(s, rows, j, n_blocks, last_row, left, BN: gl.constexpr, col_layout: gl.constexpr):
+def _mask(s, rows, j, n_blocks, last_row, left, BN: gl.constexpr, col_layout: gl.constexpr,
+          WINDOW: gl.constexpr):
     """Scores of key block j with the keys a row does not see at -inf: after it (the last block holds the
     diagonal), or before its window."""
-    if needs_mask(j, n_blocks - 1, last_row, left, BN):
+    if needs_mask(j, n_blocks - 1, last_row, left, BN, WINDOW):
         cols = j * BN + gl.arange(0, BN, layout=col_layout)
-        seen = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= rows[:, None] - left)
+        # Without a window (one longer than every document), one compare an element instead of two.
+        seen = cols[None, :] <= rows[:, None]
+        if WINDOW:
+            seen = seen & (cols[None, :] >= rows[:, None] - left)
         s = gl.where(seen, s, float("-inf"))
     return s
 
 
 @gluon.jit
-def _second_softmax_partition(args, OUT: gl.constexpr):
-    _softmax_partition(args, 1, OUT)
+def _second_softmax_partition(args, OUT: gl.constexpr, WINDOW: gl.constexpr):
+    _softmax_partition(args, 1, OUT, WINDOW)
 
 
 @gluon.jit
-def _third_softmax_partition(args, OUT: gl.constexpr):
-    _softmax_partition(args, 2, OUT)
+def _third_softmax_partition(args, OUT: gl.constexpr, WINDOW: gl.constexpr):
+    _softmax_partition(args, 2, OUT, WINDOW)
 
 
 @gluon.jit
 def _fwd_persistent_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, Lse, tiles, n_tiles, cu_seqlens, n_docs, T, stride_ot, H, group, per,
     qk_scale, left, Counter, STAGES: gl.constexpr, PARTS: gl.constexpr, OUT: gl.constexpr,
+    WINDOW: gl.constexpr,
 ):
     """Persistent: each program runs items (query tile, head) claimed from Counter until none is left."""
     # Q's slots, one per warpgroup, then out's where it has slots of its own.
@@ -352,15 +358,15 @@ def _fwd_persistent_kernel(
             stride_ot, H, group, per, qk_scale, left)
     if PARTS == 2:
         gl.warp_specialize([
-            (_softmax_partition, (args, 0, OUT)),
-            (_second_softmax_partition, (args, OUT)),
+            (_softmax_partition, (args, 0, OUT, WINDOW)),
+            (_second_softmax_partition, (args, OUT, WINDOW)),
             (_load_partition, (args, OUT)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_softmax_partition, (args, 0, OUT)),
-            (_second_softmax_partition, (args, OUT)),
-            (_third_softmax_partition, (args, OUT)),
+            (_softmax_partition, (args, 0, OUT, WINDOW)),
+            (_second_softmax_partition, (args, OUT, WINDOW)),
+            (_third_softmax_partition, (args, OUT, WINDOW)),
             (_load_partition, (args, OUT)),
         ], [4, 4, 1], [160, 160, 24])
 
@@ -418,6 +424,7 @@ def forward(
         tma_descriptor(out, 64), out, lse, tiles, n_tiles, cu_seqlens, cu_seqlens.numel() - 1, T,
         out.stride(0), H, H // H_kv, per,
         softmax_scale * LOG2E.value, left, counter, STAGES=blocks.stages, PARTS=parts, OUT=out_path(D, parts),
+        WINDOW=left < T,
         num_warps=WARPS,
         maxnreg=max_registers(parts + 1),
     )

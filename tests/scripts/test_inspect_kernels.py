@@ -60,6 +60,23 @@ def test_kernels_fit_hopper_and_stream_tiles_asynchronously(head_dim):
         assert row["loops"] and all(loop["products"] > 0 for loop in row["loops"]), where
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_forward_compares_the_window_only_under_one(head_dim):
+    """The Gluon forward compiled for a sliding window fits as the whole-past one does, and the whole-past
+    build's loops, which compare a masked block's scores against the diagonal alone, are the shorter: a
+    launch over the whole past must not pay for the window's bound."""
+    whole = inspect("--head-dim", str(head_dim), "--kernels", "fwd")
+    windowed = inspect("--head-dim", str(head_dim), "--kernels", "fwd", "--window")
+    assert [row["blocks"] for row in whole] == [row["blocks"] for row in windowed]
+    for past, window in zip(whole, windowed, strict=True):
+        where = f"fwd {window['blocks']}"
+        assert window["tma_loads"] > 0 and not serialised(window), where
+        assert all(loop["spill_ops"] <= 2 for loop in window["loops"]), where
+        assert len(past["loops"]) == len(window["loops"]), where
+        for a, b in zip(past["loops"], window["loops"], strict=True):
+            assert a["products"] == b["products"] and a["instructions"] < b["instructions"], where
+
+
 def test_fused_products_fit_hopper_without_spills():
     """The Gluon products with fused epilogues (kernels/fused/gemm_hopper.py): the MLP's two and attention's
     q/k product; and the weight-gradient product (kernels/fused/wgrad_hopper.py): warp-specialised, fed by
