@@ -251,11 +251,13 @@ def inspect_kernel(
         # The forward's warpgroups own 64 query rows each, the dK/dV pass's two own half the key tile.
         warpgroups = blocks.m // 64 + 1 if kernel == "fwd" else 3
         options = dict(num_warps=hopper.WARPS, maxnreg=max_registers(warpgroups))
+        windowed = window and kernel == "fwd"  # the one kernel the window specialises
     else:
         fn = KERNELS[kernel]
         sig, constexprs, attrs = signature(kernel, fn, head_dim, blocks, arch)
         source = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         options = dict(num_warps=blocks.warps, num_stages=blocks.stages)
+        windowed = False
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
@@ -263,7 +265,7 @@ def inspect_kernel(
             f"{kernel}_d{head_dim}_{blocks.m}x{blocks.n}_w{blocks.warps}_s{blocks.stages}"
             + ("_tma" if blocks.tma else "")
             + ("_gluon" if blocks.gluon else "")
-            + ("_window" if window else "")
+            + ("_window" if windowed else "")
         )
         for key in ("ttgir", "ptx"):
             (dump / f"{stem}.{key}").write_text(compiled.asm[key])
