@@ -8,6 +8,7 @@ torch.nn.attention.varlen.varlen_attn, and SDPA (flash and cuDNN backends) on a 
     python scripts/bench_attention.py --profile  # CUDA time of each of our kernels
     python scripts/bench_attention.py --window 512   # sliding windows: each query sees its 512 predecessors
     python scripts/bench_attention.py --methods ours fa4   # only these methods
+    python scripts/bench_attention.py --rounds 3   # each method timed 3 times, interleaved; the medians
 
 <device> is the GPU's model in lower case (h100, h200). `--tune` prints one JSON line per config and
 writes a file only with `--out`; `--profile` writes nothing. With `--window W` the file is
@@ -17,11 +18,13 @@ TFLOP/s count only in-document causal work: 2 L^2 D H per document for the forwa
 4 L^2 D H), 2.5 times that for the backward and 3.5 times for forward + backward; under a window, 4 D H per
 (query, key) pair the window keeps. Times are medians of triton.testing.do_bench over at least 50 reps (and
 200 ms), after 10 reps of warm-up, and each row's `_host_ms` the host time per call (the f+b one is the
-table's "f+b host"); backward alone is torch.autograd.grad over a retained graph. Our plan (the tile tables
-of the batch's documents), FlexAttention's block mask and SDPA's padded copies are built once outside the
-timed region, as a model builds them once per batch for all its layers; the plan's own time is the `plan_ms`
-of our rows (the table's "plan ms"), paid once per batch and window. `sdpa_rows` is the no-mask reference:
-causal SDPA over whole 2,048-token rows, as nanochat computes.
+table's "f+b host"); backward alone is torch.autograd.grad over a retained graph. With `--rounds N` each
+(head dim, mix) times its methods N times over, each round starting one method later, and each figure is
+the median of the N; `<part>_spread` is that part's largest minus smallest time over the median. Our
+plan (the tile tables of the batch's documents), FlexAttention's block mask and SDPA's padded copies are
+built once outside the timed region, as a model builds them once per batch for all its layers; the
+plan's own time is the `plan_ms` of our rows (the table's "plan ms"), paid once per batch and window.
+`sdpa_rows` is the no-mask reference: causal SDPA over whole 2,048-token rows, as nanochat computes.
 
 The physical limit beside them: a bf16 matrix product's TFLOP/s on the same GPU (MATMUL_SIZE cubed, cuBLAS),
 measured once per run, written as `matmul_tflops`; each row's `fwd_bwd_share_of_matmul` (the table's "of
@@ -29,8 +32,10 @@ mm") is its forward + backward TFLOP/s as a share of it.
 """
 
 import argparse
+import functools
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -306,8 +311,45 @@ def environment() -> dict:
     }
 
 
+def interleaved(names, rounds: int, run) -> dict:
+    """run(name) for each name, `rounds` times over, each round starting one name later than the last, so
+    that drift of the GPU's clocks over the run is shared among the methods rather than charged to the
+    ones timed last. Returns each name's results in its rounds' order; a name whose run raises is not run
+    again, and its entry is the exception."""
+    results = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            if not isinstance(results[name], Exception):
+                try:
+                    results[name].append(run(name))
+                except Exception as e:
+                    results[name] = e
+    return results
+
+
+def across_rounds(runs: list[dict]) -> dict:
+    """Per key, the median over the rounds' values; with more than one round, also each part's spread
+    (largest minus smallest over the median) as `<part>_spread`, for the time parts (not the host times)."""
+    merged = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    if len(runs) > 1:
+        for key in WORK:
+            if key in merged:
+                values = [run[key] for run in runs]
+                merged[f"{key}_spread"] = (max(values) - min(values)) / merged[key]
+    return merged
+
+
+def _time_and_free(methods, batch, lengths, window, name) -> dict:
+    """time_method of one method, with host times; its cached memory is freed for the next one."""
+    try:
+        return time_method(methods[name], *batch, lengths, window=window, host=True)
+    finally:
+        torch.cuda.empty_cache()
+
+
 def benchmark(
-    head_dims, mixes, heads, tokens, window: int = -1, matmul: float | None = None, only=None
+    head_dims, mixes, heads, tokens, window: int = -1, matmul: float | None = None, only=None, rounds: int = 1
 ) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
@@ -326,7 +368,9 @@ def benchmark(
             lengths = document_lengths(mix, tokens)
             q, k, v, cu = make_batch(lengths, heads, head_dim)
             flops = causal_flops(lengths, heads, head_dim, window)
-            for name, method in methods.items():
+            run = functools.partial(_time_and_free, methods, (q, k, v, cu), lengths, window)
+            results = interleaved(list(methods), rounds, run)
+            for name, runs in results.items():
                 row = {
                     "mix": mix,
                     "head_dim": head_dim,
@@ -334,12 +378,14 @@ def benchmark(
                     "docs": len(lengths),
                     "longest": max(lengths),
                 }
-                try:
-                    times = time_method(method, q, k, v, cu, lengths, window=window, host=True)
-                except Exception as e:  # a baseline that does not run here is reported, not fatal
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                if isinstance(runs, Exception):  # a baseline that does not run here is reported, not fatal
+                    row["error"] = f"{type(runs).__name__}: {str(runs).splitlines()[0][:200]}"
                 else:
-                    for part, t in times.items():
+                    row["rounds"] = len(runs)
+                    for part, t in across_rounds(runs).items():
+                        if part.endswith("_spread"):
+                            row[part] = round(t, 4)
+                            continue
                         row[f"{part}_ms"] = round(t, 4)
                         if part in WORK:
                             row[f"{part}_tflops"] = round(WORK[part] * flops / t / 1e9, 1)
@@ -349,7 +395,6 @@ def benchmark(
                         row["plan_ms"] = round(plan_ms(q, cu, lengths, window), 4)
                 print(format_row(row), flush=True)
                 rows.append(row)
-                torch.cuda.empty_cache()
     return rows
 
 
@@ -513,9 +558,19 @@ def main():
         help="sliding window: each query sees this many predecessors (in the table, --tune or --profile)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time each method this many times, interleaved with the others; report the medians",
+    )
+    parser.add_argument(
         "--out", type=Path, help="JSON path (default benchmarks/attention_<device>.json; --tune: none)"
     )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, not {args.rounds}")
+    if args.rounds > 1 and (args.tune or args.profile):
+        parser.error("--rounds applies to the table, not to --tune or --profile")
 
     env = environment()
     print(json.dumps(env))
@@ -536,6 +591,7 @@ def main():
             args.window,
             env["matmul_tflops"],
             args.methods,
+            args.rounds,
         )
         print("\n" + "\n".join([TABLE_HEAD, *map(format_row, rows)]))
         benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -544,7 +600,10 @@ def main():
     if out is None:
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {**env, "tokens": args.tokens, "heads": args.heads, "window": args.window, "rows": rows}
+    record = {**env, "tokens": args.tokens, "heads": args.heads, "window": args.window}
+    if not args.tune:
+        record["rounds"] = args.rounds
+    record["rows"] = rows
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
 
