@@ -281,6 +281,13 @@ def _dkdv_step(args, dv, dk, j, qb, steps, keys, first_key, last_key, zeros, zer
         s = warpgroup_mma(k, q.permute((1, 0)), s, use_acc=masked, is_async=True)
     else:
         s = warpgroup_mma(k, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    if not LATE:
+        # Step j - 1's dQ tile goes to the writer, and its Q/dO slot back to the load warp, once this step's
+        # S is issued: at the end of step j - 1 the fence after the tile's stores holds the warpgroup longer
+        # than its last product takes (9% of its stall samples on mix (c) of scripts/bench_attention.py,
+        # Nsight Compute), and S would wait behind it. On an H200, 0.5-1.5% faster on mixes (a) and (c).
+        _hand_over_dq(dq_full, (j + 1) % 2, j > 0)
+        mbarrier.arrive(qdo_free.index((j + NS - 1) % NS), count=1, pred=j > 0)
     mbarrier.wait(do_ready.index(slot), phase)
     mbarrier.wait(stats_ready.index(slot), phase)
     if FOLD:
@@ -342,15 +349,17 @@ def _dkdv_step(args, dv, dk, j, qb, steps, keys, first_key, last_key, zeros, zer
         dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
     elif LATE:
         dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))
-        _stage_dq(dq, stage, dq_full, dq_empty, j - 1, WG)
+        _stage_dq(dq, stage, dq_empty, j - 1, WG)
+        _hand_over_dq(dq_full, (j - 1) % 2)
         if j < steps - 1:
             # This warpgroup's products have read the other's half of dS(j - 1).
             _named_arrive(DS_FREE + 2 * (1 - WG) + 1 - buf, 256)
     else:
         dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))
-        _stage_dq(dq, stage, dq_full, dq_empty, j, WG)
+        _stage_dq(dq, stage, dq_empty, j, WG)
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-    mbarrier.arrive(qdo_free.index(slot), count=1)
+    if LATE:
+        mbarrier.arrive(qdo_free.index(slot), count=1)
     dv = warpgroup_mma_init(dv)
     dk = warpgroup_mma_init(dk)
     return dv, dk
@@ -405,7 +414,8 @@ def _dkdv_partition(args, WG: gl.constexpr):
         k_second = _dq_columns(kv_smem.index(1).reshape([HALF, D]), WG)
         dq = _dq_products(ds_smem, k_first, k_second, zeros_q, (steps - 1) % 2, WG)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        _stage_dq(dq, stage, dq_full, dq_empty, steps - 1, WG)
+        _stage_dq(dq, stage, dq_empty, steps - 1, WG)
+    _hand_over_dq(dq_full, (steps - 1) % 2)
 
     # dK and dV leave through the slots of K and V by TMA, once neither warpgroup's products read those:
     # whole rows, where stores from the products' registers write 16 bytes of a row at a time. On an H200
@@ -439,15 +449,21 @@ def _dq_products(ds_smem, k_first, k_second, zeros_q, buf, WG: gl.constexpr):
 
 
 @gluon.jit
-def _stage_dq(dq, stage, dq_full, dq_empty, i, WG: gl.constexpr):
-    """Hands warpgroup WG's dQ tile of step i to the writer warp."""
+def _stage_dq(dq, stage, dq_empty, i, WG: gl.constexpr):
+    """Stores warpgroup WG's dQ tile of step i into its staging buffer for the writer warp (see
+    _hand_over_dq)."""
     buf = i % 2
     # A staging buffer's first use waits on phase 1, which a fresh mbarrier counts as complete.
     mbarrier.wait(dq_empty.index(buf), ((i // 2) & 1) ^ 1)
     stage.index(2 * buf + WG).store(_thread_rows(dq))
+
+
+@gluon.jit
+def _hand_over_dq(dq_full, buf, pred=True):
+    """Tells the writer warp that this warpgroup's dQ tile is in staging buffer buf (where pred holds)."""
     fence_async_shared()
     barrier()
-    mbarrier.arrive(dq_full.index(buf), count=1)
+    mbarrier.arrive(dq_full.index(buf), count=1, pred=pred)
 
 
 @gluon.jit
