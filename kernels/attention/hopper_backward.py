@@ -286,6 +286,7 @@ def _dkdv_step(args, dv, dk, j, qb, steps, keys, first_key, last_key, zeros, zer
         # S is issued: at the end of step j - 1 the fence after the tile's stores holds the warpgroup longer
         # than its last product takes (9% of its stall samples on mix (c) of scripts/bench_attention.py,
         # Nsight Compute), and S would wait behind it. On an H200, 0.5-1.5% faster on mixes (a) and (c).
+        # (j + 1) % 2 is step j - 1's buffer; step 0 has none to hand over.
         _hand_over_dq(dq_full, (j + 1) % 2, j > 0)
         mbarrier.arrive(qdo_free.index((j + NS - 1) % NS), count=1, pred=j > 0)
     mbarrier.wait(do_ready.index(slot), phase)
@@ -415,6 +416,7 @@ def _dkdv_partition(args, WG: gl.constexpr):
         dq = _dq_products(ds_smem, k_first, k_second, zeros_q, (steps - 1) % 2, WG)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         _stage_dq(dq, stage, dq_empty, steps - 1, WG)
+    # The last step's tile; with dQ in its step, its Q/dO slot is not released, as nothing more is loaded.
     _hand_over_dq(dq_full, (steps - 1) % 2)
 
     # dK and dV leave through the slots of K and V by TMA, once neither warpgroup's products read those:
