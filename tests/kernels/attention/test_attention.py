@@ -7,6 +7,7 @@ small, unequal blocks (block_config), so these buffers of a few hundred tokens c
 """
 
 import contextlib
+import itertools
 import math
 
 import pytest
@@ -24,7 +25,7 @@ from kernels.attention import op as op_module
 from kernels.attention.backward import backward
 from kernels.attention.block_sizes import block_config
 from kernels.attention.op import flash_attn_varlen_fwd
-from kernels.attention.plan import tile_table
+from kernels.attention.plan import longest_first, tile_table
 from kernels.attention.tiles import tma_descriptors
 from kernels.common import INTERPRET
 from tests.kernels.attention.poison import poison_new_buffers
@@ -116,8 +117,11 @@ def run_reference(q, k, v, cu, window, scale, dout, dlse=None):
 
 
 def test_tile_table_lists_each_block_once():
-    # The last case has more segments than the table kernel scans at once.
-    cases = [*((x, T) for x in MIXES.values()), ([0] * 5, T), ([1] * T, T), ([1] * 300 + [0] * 9, 420)]
+    # The last two cases have more segments than the table kernel scans at once, the last of unequal sizes.
+    cases = [
+        *((x, T) for x in MIXES.values()), ([0] * 5, T), ([1] * T, T), ([1] * 300 + [0] * 9, 420),
+        ([(7 * i) % 13 for i in range(300)], 1900),
+    ]
     for lengths, n in cases:
         cu = cu_from(lengths)
         sizes = [*lengths, n - sum(lengths)]  # the tail is the last segment
@@ -129,8 +133,9 @@ def test_tile_table_lists_each_block_once():
             (32, True, 31, 63),
             (16, True, 40, None),
         ]
-        for block, last_first, shortest, longest in tables:
-            table = tile_table(cu, n, block, last_first, shortest, longest)
+        for (block, last_first, shortest, longest), ordered in itertools.product(tables, (False, True)):
+            order = longest_first(cu, n) if ordered else None
+            table = tile_table(cu, n, block, last_first, shortest, longest, order=order)
             bound = math.ceil(n / block) + min(len(lengths), n // (shortest + 1))
             assert table.shape == (2, bound) and table.dtype == torch.int32
             # The tail (segment len(lengths)) belongs to the tables with shortest 0, whatever its length.
@@ -146,6 +151,10 @@ def test_tile_table_lists_each_block_once():
             segment, index = table[:, real]
             same = segment[1:] == segment[:-1]
             assert ((index[1:] - index[:-1])[same] == (-1 if last_first else 1)).all()
+            # Segments whole, in their own order or from the longest to the shortest (equal sizes in their
+            # own order).
+            ranked = sorted((-sizes[s] if ordered else 0, s) for s in {s for s, _ in expected})
+            assert torch.unique_consecutive(segment).tolist() == [s for _, s in ranked]
 
 
 @pytest.mark.parametrize(
@@ -188,6 +197,29 @@ def test_passes_read_only_what_they_wrote(window, monkeypatch):
     monkeypatch.undo()
     for name, x, ref in zip(["out", "dq", "dk", "dv"], got[:1] + got[2:], want[:1] + want[2:], strict=True):
         assert torch.isfinite(x).all(), name
+        assert rel_err(x, ref) < 1e-5, (name, rel_err(x, ref))
+
+
+@pytest.mark.parametrize("window", ["causal", "sliding"])
+def test_passes_take_documents_in_any_order(window, monkeypatch):
+    """Every pass reads its documents from the table entries, never from their place in it: with every
+    table listing the documents longest first (as the Hopper dK/dV pass's does), the gradients match
+    float64."""
+    launches = plan._launches
+
+    def longest_first_everywhere(*args):
+        return [launch._replace(longest_first=True) for launch in launches(*args)]
+
+    monkeypatch.setattr(plan, "_launches", longest_first_everywhere)
+    plan._layout.cache_clear()
+    try:
+        q, k, v, cu = make_inputs(MIXES["random"], 64, 4, 2, torch.float32)
+        dout = torch.randn(T, 4, 64)
+        got = run_kernel(q, k, v, cu, WINDOWS[window], 0.125, dout)
+    finally:
+        plan._layout.cache_clear()
+    want = run_reference(q, k, v, cu, WINDOWS[window], 0.125, dout)
+    for name, x, ref in zip(["out", "dq", "dk", "dv"], got[:1] + got[2:], want[:1] + want[2:], strict=True):
         assert rel_err(x, ref) < 1e-5, (name, rel_err(x, ref))
 
 
@@ -390,6 +422,9 @@ def test_gpu_plan_feeds_the_gluon_backward_what_it_needs(left, head_dim, monkeyp
     gluon = [i for i, launch in enumerate(launches) if launch.kernel == "dkdv" and launch.blocks.gluon]
     assert gluon == [kernels.index("dkdv")] and kernels.count("dkdv") == 1
     assert launches[gluon[0]].last_block_first and launches[gluon[0]].blocks.m * head_dim == 8192
+    # Its documents run longest first without a window, in their own order under one.
+    assert launches[gluon[0]].longest_first == (left == 65536)
+    assert not any(launch.longest_first for launch in launches if launch.kernel != "dkdv")
     assert (launches[gluon[0]].shortest, launches[gluon[0]].longest) == (0, 65536)
     delta = kernels.index("delta")
     assert (launches[delta].shortest, launches[delta].longest) == (0, 65536) and delta < gluon[0]
