@@ -161,11 +161,11 @@ def _launches(config: Config, T: int, max_seqlen: int, left: int, right: int) ->
     # Gluon pass, whose dQ adds wait for the key tiles after them (see hopper_backward). Its key tiles
     # then run the longest documents first: a program per key tile whose work grows with the document's
     # length, and the last to start, a document's first key tiles, are its longest, so that the shorter
-    # documents' tiles fill the end of the launch. On an H200 the backward measured 0.5-1.3% faster on
+    # documents' tiles fill the end of the launch. On an H200 the backward measured 0.4-1.3% faster on
     # mixes (a) and (c) of scripts/bench_attention.py and level on (b) (seven alternating rounds, gradients
     # bitwise equal). Under a window no key tile sees more than the window's query blocks: there the order
     # stays (sorted, 1% slower on (b) at head dim 64, level elsewhere), as it does in the persistent
-    # forward, which claims its items in table order (level to 1.5% either way).
+    # forward, which claims its items in table order (sorted, 1.7% slower to 1.5% faster, cell by cell).
     launches += [
         _Launch("dkdv", b, b.n, b.gluon, lo, hi, b.gluon and left >= T)
         for lo, hi, b in _classes(config["dkdv"], T, max_seqlen)
