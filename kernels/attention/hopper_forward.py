@@ -242,7 +242,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
     # A finite floor for rows that see none of the window's first block keeps exp2(m_i - m_new) finite.
     m_i = gl.maximum(gl.max(s, 1) * qk_scale, -1.0e30)
     p = gl.exp2(s * qk_scale - m_i[:, None])
-    l_i = gl.sum(p, 1)
+    l_i = _partial_row_sums(p)
     p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     # The loop carries acc as an accumulator that a product may still be writing.
     acc = warpgroup_mma_init(gl.zeros([ROWS, D], gl.float32, mma_o))
@@ -258,7 +258,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        l_i = l_i * _by_row(alpha, l_i) + _partial_row_sums(p)
         m_i = m_new
         p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -274,6 +274,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
     mbarrier.arrive(kv_free.index(last), count=1)
     _release(k_ready, v_ready, kv_free, j0 + count, n_blocks - own_hi)
 
+    l_i = gl.convert_layout(gl.sum(l_i, 1), row_layout)
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
     if OUT != OUT_REGISTERS:
         if OUT == OUT_OWN_SLOT:
@@ -297,6 +298,24 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
         # Out has left Q's slot: the load warp may bring the next item's Q.
         tma.store_wait(0)
         mbarrier.arrive(q_free, count=1)
+
+
+@gluon.jit
+def _partial_row_sums(p):
+    """[rows, 4]: p's row sums in four shares, one for each thread of the quad that holds a row of a product's
+    accumulator (each thread two of every eight columns), so that no value crosses threads. Adding the shares
+    once after the loop, where each block's row sums had been gathered across the quad, drops four shuffles
+    and four adds a block from each thread: 0.5-2% faster forward on an H200 (alternating rounds, every mix
+    at both head dims, whole past and a 512-token window)."""
+    ROWS: gl.constexpr = p.shape[0]
+    BN: gl.constexpr = p.shape[1]
+    return gl.sum(gl.sum(gl.reshape(p, [ROWS, BN // 8, 4, 2]), 3), 1)
+
+
+@gluon.jit
+def _by_row(x, shares):
+    """Per-row x in the layout of the row shares (the same registers: no data moves)."""
+    return gl.convert_layout(x, gl.SliceLayout(1, shares.type.layout), assert_trivial=True)[:, None]
 
 
 @gluon.jit
