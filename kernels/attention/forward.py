@@ -30,7 +30,8 @@ def _fwd_blocks(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
 ):
     """Online softmax over key blocks [block_lo, block_hi): m_i is the running max of the base-2 scores,
-    l_i the running sum of exp2(score - m_i), acc the running sum of exp2(score - m_i) * v."""
+    l_i the running sum of exp2(score - m_i) in four shares a row (see _row_shares), acc the running sum of
+    exp2(score - m_i) * v."""
     for block in range(block_lo, block_hi):
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         k, v = load_pair(
@@ -44,10 +45,20 @@ def _fwd_blocks(
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha[:, None] + _row_shares(p)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _row_shares(p):
+    """[rows, 4]: p's row sums in four shares, each over two of every eight columns, which is what each thread
+    of a row's quad holds in a Hopper product's accumulator: the shares add without crossing threads, and
+    once after the last block. The Gluon forward sums in this order too, so the two agree bitwise."""
+    BLOCK_M: tl.constexpr = p.shape[0]
+    BLOCK_N: tl.constexpr = p.shape[1]
+    return tl.sum(tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N // 8, 4, 2]), 3), 1)
 
 
 @triton.jit
@@ -73,7 +84,7 @@ def _fwd_kernel(
     q = load_rows(q_base, rows, stride_qt, q_len, HEAD_DIM, BLOCK_D, True)
     # A finite start for the running max keeps exp2(m_i - m_new) finite for rows that have seen only masks.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_i = tl.zeros([BLOCK_M, 4], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # Masked blocks at the window's left edge, unmasked blocks, masked blocks on the diagonal/document end.
@@ -91,6 +102,7 @@ def _fwd_kernel(
         k_len, left, right, qk_scale, full_hi, hi, HEAD_DIM, BLOCK_D, BLOCK_N, True, TMA,
     )
 
+    l_i = tl.sum(l_i, 1)
     # A row that saw no key (the tail) gets out = 0 and lse = -inf.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
