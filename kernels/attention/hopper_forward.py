@@ -242,7 +242,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
     # A finite floor for rows that see none of the window's first block keeps exp2(m_i - m_new) finite.
     m_i = gl.maximum(gl.max(s, 1) * qk_scale, -1.0e30)
     p = gl.exp2(s * qk_scale - m_i[:, None])
-    l_i = _partial_row_sums(p)
+    l_i = _row_shares(p)
     p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     # The loop carries acc as an accumulator that a product may still be writing.
     acc = warpgroup_mma_init(gl.zeros([ROWS, D], gl.float32, mma_o))
@@ -258,7 +258,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * _by_row(alpha, l_i) + _partial_row_sums(p)
+        l_i = l_i * _by_row(alpha, l_i) + _row_shares(p)
         m_i = m_new
         p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -301,7 +301,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
 
 
 @gluon.jit
-def _partial_row_sums(p):
+def _row_shares(p):
     """[rows, 4]: p's row sums in four shares, one for each thread of the quad that holds a row of a product's
     accumulator (each thread two of every eight columns), so that no value crosses threads. Adding the shares
     once after the loop, where each block's row sums had been gathered across the quad, drops four shuffles
