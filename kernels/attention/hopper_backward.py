@@ -307,8 +307,9 @@ def _dkdv_step(args, dv, dk, j, qb, steps, keys, first_key, last_key, zeros, zer
         # 0.5-5% faster on an H200 (measured 1-1.5% slower with each step's dQ issued in that step).
         # With 64-query blocks (head dim 128) both orders measured slower: the exponentials under dP's
         # product 1% (triton 3.6's build then spills the shared-memory base in one warpgroup's loop and
-        # reloads it from local memory 4 times a step), and dV's product before dP's wait too 1-2.5% (0.5-3%
-        # with dQ late, level on (c)).
+        # reloads it from local memory 4 times a step; 1.3-3% with all of them held above dP's wait by a
+        # barrier of the warpgroup), and dV's product before dP's wait too 1-2.5% (0.5-3% with dQ late, level
+        # on (c)).
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         p = gl.exp2(s * qk_scale - stats.index(2 * slot).load(query_layout)[None, :])
         dv = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), operand), do, dv, is_async=True)
