@@ -163,11 +163,13 @@ def _dq_writer_partition(args):
     tiles reach it, since tile c visits query blocks from its diagonal on and tile c + 1's diagonal is
     later. A tile's tiles are stored when it is the first, else added once the block's count says
     that the `rank` tiles before it are done; the count is raised once the writes have landed. The tile
-    table runs a document's last key tile first, so the tile a program waits for has already started."""
+    table runs a document's last key tile first, so the tile a program waits for has already started.
+    Where each step's dQ is issued in that step, the writer also frees the step's Q/dO slot."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, kv_smem, ds_smem, kv_bar, q_ready, do_ready, qdo_free,
      dq_desc, stage, dq_full, dq_empty, stats, stats_ready, Lse, Delta, dk_desc, dv_desc, Counts, n_counted,
      segment, start, length, kv_head, group, c0, q_lo, n_q, left, T, qk_scale, sm_scale) = args
     BM: gl.constexpr = q_desc.block_type.shape[2]
+    NS: gl.constexpr = q_smem.type.shape[0]
     ROWS: gl.constexpr = dq_desc.block_type.shape[0]
     TILE: gl.constexpr = 2 * k_desc.block_type.shape[2]
     lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -184,6 +186,12 @@ def _dq_writer_partition(args):
             rank = gl.minimum((gl.minimum(qb * BM + BM, length) - 1) // TILE, last_tile) - tile
             at = head * n_counted + start // BM + segment + qb
             mbarrier.wait(dq_full.index(buf), (j // 2) & 1)
+            if not _dq_late(BM):
+                # Both warpgroups, which hand a step's tiles over in the next step, are past every product
+                # of step j: its Q/dO slot goes back to the load warp. One arrival a step, where each
+                # warpgroup arrived behind a barrier of its threads: measured level on an H200, with one
+                # barrier fewer in each warpgroup's step.
+                mbarrier.arrive(qdo_free.index(j % NS), count=1)
             if rank > 0:
                 _wait_count(Counts + at + zero_each, 32 * rank)
             for wg in gl.static_range(2):
@@ -282,13 +290,12 @@ def _dkdv_step(args, dv, dk, j, qb, steps, keys, first_key, last_key, zeros, zer
     else:
         s = warpgroup_mma(k, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
     if not LATE:
-        # Step j - 1's dQ tile goes to the writer, and its Q/dO slot back to the load warp, once this step's
-        # S is issued: at the end of step j - 1 the fence after the tile's stores holds the warpgroup longer
+        # Step j - 1's dQ tile goes to the writer (which then frees its Q/dO slot) once this step's S is
+        # issued: at the end of step j - 1 the fence after the tile's stores holds the warpgroup longer
         # than its last product takes (9% of its stall samples on mix (c) of scripts/bench_attention.py,
         # Nsight Compute), and S would wait behind it. On an H200, 0.5-1.5% faster on mixes (a) and (c).
         # (j + 1) % 2 is step j - 1's buffer; step 0 has none to hand over.
         _hand_over_dq(dq_full, (j + 1) % 2, j > 0)
-        mbarrier.arrive(qdo_free.index((j + NS - 1) % NS), count=1, pred=j > 0)
     mbarrier.wait(do_ready.index(slot), phase)
     mbarrier.wait(stats_ready.index(slot), phase)
     if FOLD:
@@ -417,7 +424,7 @@ def _dkdv_partition(args, WG: gl.constexpr):
         dq = _dq_products(ds_smem, k_first, k_second, zeros_q, (steps - 1) % 2, WG)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         _stage_dq(dq, stage, dq_empty, steps - 1, WG)
-    # The last step's tile; with dQ in its step, its Q/dO slot is not released, as nothing more is loaded.
+    # The last step's tile.
     _hand_over_dq(dq_full, (steps - 1) % 2)
 
     # dK and dV leave through the slots of K and V by TMA, once neither warpgroup's products read those:
@@ -494,7 +501,9 @@ def _dkdv_kernel(
         store_zeros(dV, start, c0, length, kv_head, stride_kvt, 2 * HALF, D, layout)
         return
 
-    q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_free = tile_ring(q_desc, do_desc, STAGES, 2)
+    # A Q/dO slot is freed by both warpgroups where dQ is late, else by the writer warp.
+    q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_free = tile_ring(
+        q_desc, do_desc, STAGES, 2 if _dq_late(BM) else 1)
     kv_smem = gl.allocate_shared_memory(k_desc.dtype, [4] + k_desc.block_type.shape, k_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ds_smem = gl.allocate_shared_memory(k_desc.dtype, [4, HALF, BM], ds_layout)
