@@ -230,10 +230,11 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
     # Block own_lo alone; then each step issues S = Q K^T of block j and P V of block j - 1 together, and
     # computes block j's softmax before waiting for P V (FlashAttention-3's overlap within a warpgroup).
     # ptxas (triton 3.6) moves that wait up to just after the mask, so the row maxima and exponentials run
-    # once P V is done, beside the other warpgroup's products rather than this one's (held below them by a
-    # barrier of the warpgroup, the forward measured level at head dim 128 and up to 4.6% slower at 64 on an
-    # H200). Issuing the next block's S after the exponentials, which would hold that wait below them, makes
-    # ptxas serialise the products (its warning C7514), with S then in flight across the loop's back edge.
+    # once P V is done, beside the other warpgroup's products rather than this one's (with the wait held
+    # below them by a barrier of the warpgroup, the forward measured level at head dim 128 and up to 4.6%
+    # slower at 64 on an H200). Issuing the next block's S after the exponentials, which would hold that wait
+    # below them, makes ptxas serialise the products (its warning C7514), with S then in flight across the
+    # loop's back edge.
     # Computing a share of the exponentials by a cubic in float32 instead of on the MUFU pipe measured 2-31%
     # slower on an H200 (one in eight to one in two): the softmax is bound by instruction issue, not by MUFU.
     mbarrier.wait(k_ready.index(j0 % NS), (j0 // NS) & 1)
