@@ -73,12 +73,13 @@ def _claim(Counter, tiles, n_tiles, H, per):
 
 
 # How out leaves the warpgroups: stored from the products' registers, or by TMA through the warpgroup's slot
-# of Q (once its products no longer read it; the next item's Q then loads after the store has read the
-# slot) or through a slot of its own (the next Q loads under the last P V, as with registers). The TMA
-# store writes whole rows, cut at the document's end by the descriptor. On an H200, against registers: at
-# head dim 128 Q's slot measured 3% faster on mixes (a) and (b) of scripts/bench_attention.py and level on
-# (c); at 64, whose 128-row tiles leave the shared memory room for slots of out's own, Q's slot measured
-# 1-1.5% slower on (a) and (b) and out's own slots 3% faster on (a), 1.5% on (b), level on (c).
+# of Q (once its products no longer read it; the next item's Q then loads after the store has read the slot)
+# or through a slot of its own (the next Q loads under the last P V, as with registers, and earlier still once
+# S takes Q from registers: see _attend). The TMA store writes whole rows, cut at the document's end by the
+# descriptor. On an H200, against registers: at head dim 128 Q's slot measured 3% faster on mixes (a) and (b)
+# of scripts/bench_attention.py and level on (c); at 64, whose 128-row tiles leave the shared memory room for
+# slots of out's own, Q's slot measured 1-1.5% slower on (a) and (b) and out's own slots 3% faster on (a),
+# 1.5% on (b), level on (c).
 OUT_REGISTERS = gl.constexpr(0)
 OUT_Q_SLOT = gl.constexpr(1)
 OUT_OWN_SLOT = gl.constexpr(2)
