@@ -232,7 +232,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_
         # and V from shared memory, and Q's slot goes back to the load warp at once, so that the next item's Q
         # loads under this one's key loop. On an H200 the forward measured 3-5% faster on mixes (a) and (b) of
         # scripts/bench_attention.py and 3-7% under a 512-token window (out bitwise equal). At head dim 128,
-        # where out leaves through Q's slot, it measured level; in 192-row tiles ptxas spills.
+        # where out leaves through Q's slot, it measured level (2-4% slower on (a) and (b) with out stored
+        # from registers so that the slot goes back at once); in 192-row tiles ptxas spills.
         q = q.load(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
         mbarrier.arrive(q_free, count=1)
 
