@@ -132,7 +132,8 @@ def gluon_signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks, 
         shape = [1, 1, rows, 1, head_dim]
         return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
 
-    constants = dict(STAGES=blocks.stages, HAS_DLSE=False)
+    # A launch with one query head per K/V head passes group 1, which triton compiles as a constant.
+    constants = dict(STAGES=blocks.stages, HAS_DLSE=False, group=1)
     if kernel == "fwd":
         constants["PARTS"] = blocks.m // 64
         constants["WINDOW"] = window

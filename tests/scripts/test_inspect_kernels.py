@@ -135,3 +135,27 @@ def test_inner_loops_of_sass():
     assert json.loads(result.stdout) == [
         dict(instructions=4, products=1, exponentials=1, spill_ops=1, barriers=0)
     ]
+
+
+def test_gluon_signatures_specialise_group_as_a_launch_does():
+    """A launch with one query head per K/V head passes group 1, which triton's launcher compiles as a
+    constant: the Gluon kernels that the script inspects must be that build, not one with group a runtime
+    integer (their registers and spills differ)."""
+    code = """
+import json, inspect_kernels as ik
+from triton.runtime.jit import mangle_type
+blocks = ik.block_sizes.block_config(64, on_hopper=True)
+seen = {}
+for kernel, fn in ik.GLUON_KERNELS.items():
+    sig, constexprs, _ = ik.gluon_signature(kernel, fn, 64, blocks[kernel][0][1])
+    at = fn.arg_names.index("group")
+    seen[kernel] = [sig["group"], constexprs.get((at,))]
+print(json.dumps({"launch": mangle_type(1, True), "seen": seen}))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT / "scripts", capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out["launch"] == "constexpr"
+    assert out["seen"] == {"fwd": ["constexpr", 1], "dkdv": ["constexpr", 1]}
