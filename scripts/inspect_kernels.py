@@ -82,6 +82,8 @@ INT32_POINTERS = {"tiles", "cu_seqlens", "DocSlots", "Counter", "Counts"}
 BF16_POINTERS = {"Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV", "DS"}
 # Integer arguments that a launch on aligned tensors sees as multiples of 16 (and specialises on).
 ALIGNED_INTS = {"T", "left", "right"}
+# One query head per K/V head: a launch passes group 1, which triton compiles as a constant.
+ONE_HEAD_PER_KV = dict(group=1)
 
 
 def signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks, arch: int):
@@ -104,7 +106,7 @@ def signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks, arch: 
         TMA=blocks.tma,
         HAS_DLSE=False,
         STORE_DS=stores and kernel == "dkdv" and blocks == store_blocks,
-        group=1,
+        **ONE_HEAD_PER_KV,
     )
     return _signature(
         fn,
@@ -132,8 +134,7 @@ def gluon_signature(kernel: str, fn, head_dim: int, blocks: block_sizes.Blocks, 
         shape = [1, 1, rows, 1, head_dim]
         return f"tensordesc<bf16{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
 
-    # A launch with one query head per K/V head passes group 1, which triton compiles as a constant.
-    constants = dict(STAGES=blocks.stages, HAS_DLSE=False, group=1)
+    constants = dict(STAGES=blocks.stages, HAS_DLSE=False, **ONE_HEAD_PER_KV)
     if kernel == "fwd":
         constants["PARTS"] = blocks.m // 64
         constants["WINDOW"] = window
